@@ -1,0 +1,15 @@
+"""arrayattn: the reference library of attention mechanisms, on the Python array API.
+
+Every variant is written once against the array API standard and runs on NumPy, CuPy,
+PyTorch, JAX and array-api-strict arrays, returning an array of the caller's own
+library, device and dtype.  See ``docs/conventions`` for the shared conventions.
+"""
+from .registry import Variant, attention_matrix, get_variant, register, variants
+from .exact import softmax_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Variant", "attention_matrix", "get_variant", "register", "variants",
+    "softmax_attention",
+]

@@ -1,0 +1,128 @@
+"""Array-API plumbing shared by every variant.
+
+Public functions infer the namespace from their arguments (:func:`xp_namespace`);
+private helpers take ``xp`` explicitly.  Nothing here calls NumPy on a user array:
+the only NumPy use is for host-drawn random matrices (:func:`xp_from_host`) and for
+the explicit host transfer used by the CLI and the testing helpers (:func:`to_numpy`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+__all__ = [
+    "xp_namespace",
+    "xp_device",
+    "compute_dtype",
+    "xp_from_host",
+    "to_numpy",
+    "xp_eps",
+    "xp_tril_mask",
+    "xp_causal_mask",
+]
+
+
+def xp_namespace(*arrays: Any, names: tuple[str, ...] | None = None):
+    """Return the array namespace shared by ``arrays`` (``None`` entries are skipped).
+
+    Raises ``TypeError`` naming the arguments when they come from different libraries.
+    """
+    present = [(i, a) for i, a in enumerate(arrays) if a is not None]
+    try:
+        return array_api_compat.array_namespace(*(a for _, a in present))
+    except TypeError as exc:
+        if names is None:
+            raise
+        kinds = ", ".join(
+            f"{names[i]} is {type(a).__module__}.{type(a).__name__}" for i, a in present
+        )
+        raise TypeError(
+            f"arrays come from different array libraries ({kinds}); "
+            "pass all of them from one library"
+        ) from exc
+
+
+def xp_device(x):
+    """The device of ``x``, or ``None`` when the library cannot say (e.g. a JAX tracer)."""
+    try:
+        return array_api_compat.device(x)
+    except Exception:  # pragma: no cover - defensive for tracers of exotic libraries
+        return None
+
+
+def compute_dtype(xp, dtype):
+    """The dtype the arithmetic is carried out in for inputs of ``dtype``.
+
+    float16 and bfloat16 are accumulated in float32 (their 10/7-bit mantissas cannot
+    hold a softmax denominator over thousands of keys); float32 and float64 are kept.
+    """
+    if dtype == xp.float32 or dtype == xp.float64:
+        return dtype
+    return xp.float32
+
+
+def xp_eps(xp, dtype) -> float:
+    """Machine epsilon of ``dtype`` (a Python float)."""
+    return float(xp.finfo(dtype).eps)
+
+
+def xp_from_host(xp, array: np.ndarray, *, dtype, device):
+    """Move a host-drawn NumPy float64 ``array`` to ``xp`` on ``device`` with ``dtype``.
+
+    Random matrices are drawn on the host so that the same seed gives the same
+    matrix on every backend; this is the one place where they cross to the device.
+    """
+    host = np.ascontiguousarray(array, dtype=np.float64)
+    try:
+        out = xp.asarray(host, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        # Some namespaces (array-api-strict on a non-default device, CuPy) only accept
+        # buffers or nested sequences for a cross-device copy; go via the default device.
+        out = xp.asarray(host)
+        if device is not None:
+            out = array_api_compat.to_device(out, device)
+    return xp.astype(out, dtype)
+
+
+def to_numpy(x) -> np.ndarray:
+    """Copy any supported array to a NumPy array on the host (testing, CLI, reports).
+
+    Never used on a hot path: on a GPU it synchronises.
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    mod = type(x).__module__
+    if mod.startswith("array_api_strict"):
+        return np.asarray(x._array)
+    if mod.startswith("torch"):
+        x = x.detach().cpu()
+        if x.dtype.is_floating_point and x.element_size() == 2 and str(x.dtype) != "torch.float16":
+            x = x.float()  # bfloat16 has no NumPy dtype
+        return x.numpy()
+    if mod.startswith("cupy"):
+        return x.get()
+    return np.asarray(x)
+
+
+def xp_causal_mask(xp, n: int, s: int, *, device, row0: int = 0, col0: int = 0):
+    """Boolean ``(n, s)`` mask of end-aligned causality: query i sees key j <= i + (S - N).
+
+    ``row0``/``col0`` offset the block inside the full ``(N, S)`` problem; the caller
+    passes ``row0 + (S - N)`` as the shift so blocks of a larger problem line up.
+    """
+    rows = xp.arange(n, device=device)
+    cols = xp.arange(s, device=device)
+    return (cols[None, :] + col0) <= (rows[:, None] + row0)
+
+
+def xp_tril_mask(xp, n: int, s: int, *, device):
+    """End-aligned causal mask of a whole ``(n, s)`` problem."""
+    return xp_causal_mask(xp, n, s, device=device, row0=s - n)
+
+
+def default_scale(d: int) -> float:
+    """The softmax temperature ``1/sqrt(d)`` used when ``scale=None``."""
+    return 1.0 / math.sqrt(d)

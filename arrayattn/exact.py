@@ -1,0 +1,249 @@
+"""Exact softmax attention, dense and blockwise (FlashAttention's online softmax).
+
+.. math::
+
+    \\operatorname{Attn}(Q, K, V) = \\operatorname{softmax}(Q K^\\top \\cdot \\text{scale}
+    + \\text{masks})\\, V
+
+Vaswani et al. 2017, "Attention Is All You Need"; the blockwise recurrence is that of
+Dao et al. 2022 / Dao 2023 ("FlashAttention", "FlashAttention-2"), itself the online
+softmax of Milakov & Gimelshein 2018.
+"""
+from __future__ import annotations
+
+import math
+
+from ._validate import (Problem, check_key_mask, check_mask, check_positive_int,
+                        check_qkv, check_scale)
+from ._xp import xp_causal_mask
+from .registry import Variant, register
+
+__all__ = ["softmax_attention", "masked_softmax", "attend", "combine_masks"]
+
+
+def combine_masks(xp, *, n: int, s: int, device, causal: bool = False, key_mask=None,
+                  mask=None, row0: int = 0, col0: int = 0, shift: int | None = None):
+    """AND of the causal pattern, ``key_mask (..., s)`` and ``mask (..., n, s)``.
+
+    Returns ``None`` when nothing is masked.  ``row0``/``col0`` place an ``(n, s)`` tile
+    inside a larger problem whose causal shift (``S - N``) is ``shift``.
+    """
+    allowed = None
+    if causal:
+        shift = s - n if shift is None else shift
+        allowed = xp_causal_mask(xp, n, s, device=device, row0=row0 + shift, col0=col0)
+    if key_mask is not None:
+        km = xp.expand_dims(key_mask, axis=-2)
+        allowed = km if allowed is None else (allowed & km)
+    if mask is not None:
+        allowed = mask if allowed is None else (allowed & mask)
+    return allowed
+
+
+def _shifted_exp(xp, scores, allowed, axis: int = -1):
+    """``exp(scores - rowmax)`` over the ``allowed`` entries, its row sums and row max.
+
+    The row max cancels in every ratio that uses these, so logits of any size are
+    safe.  A row with no allowed entry is shifted by 0 (not by ``-inf``, which would
+    give NaN) and so is all zeros.
+    """
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -xp.inf)
+    m = xp.max(scores, axis=axis, keepdims=True)
+    if allowed is not None:
+        m = xp.where(m == -xp.inf, 0.0, m)
+    p = xp.exp(scores - m)
+    return p, xp.sum(p, axis=axis, keepdims=True), m
+
+
+def masked_softmax(xp, scores, allowed=None, *, axis: int = -1):
+    """``softmax(scores)`` along ``axis`` over the ``allowed`` entries.
+
+    Disallowed entries get weight 0; a row with no allowed entry is all zeros (not NaN).
+    """
+    p, total, _ = _shifted_exp(xp, scores, allowed, axis)
+    return p / xp.where(total > 0, total, 1.0)
+
+
+def attend(xp, scores, v, allowed=None, *, return_lse: bool = False):
+    """``softmax(scores) @ v`` over ``allowed`` keys, with empty rows -> 0.
+
+    ``scores (..., n, s)`` are already scaled.  With ``return_lse`` also returns the
+    log-sum-exp of the allowed scores ``(..., n)`` (``-inf`` for an empty row), which
+    lets partial attentions over disjoint key sets be merged exactly.  Normalising
+    after the product costs ``n dv`` divisions instead of ``n s``.
+    """
+    p, total, m = _shifted_exp(xp, scores, allowed)
+    safe = xp.where(total > 0, total, 1.0)
+    out = (p @ v) / safe
+    if not return_lse:
+        return out
+    lse = xp.where(total > 0, xp.log(safe) + m, -xp.inf)
+    return out, lse[..., 0]
+
+
+def _dense(p: Problem, q, k, v, *, causal, key_mask, mask):
+    xp = p.xp
+    scores = q @ xp.matrix_transpose(k)
+    allowed = combine_masks(xp, n=p.n, s=p.s, device=p.device, causal=causal,
+                            key_mask=key_mask, mask=mask)
+    return attend(xp, scores, v, allowed)
+
+
+def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
+    """FlashAttention's online softmax over query blocks and key blocks.
+
+    For each query block the running row max ``m``, denominator ``l`` and unnormalised
+    output ``acc`` are carried over key blocks:
+    ``m' = max(m, rowmax(S_ij))``, ``l' = l e^{m - m'} + rowsum(e^{S_ij - m'})``,
+    ``acc' = acc e^{m - m'} + e^{S_ij - m'} V_j``; the block's output is ``acc / l``.
+    Only one ``(block, block)`` score tile per batch element is alive at a time.
+    """
+    xp = p.xp
+    n, s, shift = p.n, p.s, p.s - p.n
+    kt = xp.matrix_transpose(k)
+    masked = causal or key_mask is not None or mask is not None
+    outs = []
+    for i0 in range(0, n, block_size):
+        i1 = min(i0 + block_size, n)
+        qb = q[..., i0:i1, :]
+        m = xp.full((*p.batch, i1 - i0, 1), -xp.inf, dtype=p.work_dtype, device=p.device)
+        l = xp.zeros((*p.batch, i1 - i0, 1), dtype=p.work_dtype, device=p.device)
+        acc = xp.zeros((*p.batch, i1 - i0, p.dv), dtype=p.work_dtype, device=p.device)
+        # Causal: key blocks entirely after the last query of this block are skipped.
+        j_end = s if not causal else max(0, min(s, i1 + shift))
+        for j0 in range(0, j_end, block_size):
+            j1 = min(j0 + block_size, s)
+            sc = qb @ kt[..., :, j0:j1]
+            tile_causal = causal and (j1 - 1 > i0 + shift)  # some key in the future
+            allowed = combine_masks(
+                xp, n=i1 - i0, s=j1 - j0, device=p.device, causal=tile_causal,
+                key_mask=None if key_mask is None else key_mask[..., j0:j1],
+                mask=None if mask is None else mask[..., i0:i1, j0:j1],
+                row0=i0, col0=j0, shift=shift,
+            )
+            if allowed is not None:
+                sc = xp.where(allowed, sc, -xp.inf)
+            m_new = xp.maximum(m, xp.max(sc, axis=-1, keepdims=True))
+            # A row with no allowed key yet keeps m = -inf (so a later, smaller max is
+            # still taken as its max) but is shifted by 0, not -inf: exp(-inf) = 0, no NaN.
+            shift_by = xp.where(m_new == -xp.inf, 0.0, m_new) if masked else m_new
+            pt = xp.exp(sc - shift_by)
+            corr = xp.exp(m - shift_by)
+            l = l * corr + xp.sum(pt, axis=-1, keepdims=True)
+            acc = acc * corr + pt @ v[..., j0:j1, :]
+            m = m_new
+        outs.append(acc / xp.where(l > 0, l, 1.0))
+    return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+
+
+def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, mask=None,
+                      block_size=None):
+    r"""Exact scaled dot-product attention.
+
+    .. math:: O = \operatorname{softmax}\!\left(Q K^\top \cdot \mathrm{scale} + M\right) V
+
+    where :math:`M_{ij} = -\infty` for every key ``j`` that query ``i`` may not see.
+
+    Parameters
+    ----------
+    q : array, shape ``(..., n, d)``
+        Queries. Leading dimensions (batch, heads) broadcast against ``k`` and ``v``.
+    k : array, shape ``(..., s, d)``
+        Keys.
+    v : array, shape ``(..., s, dv)``
+        Values.
+    scale : float, optional
+        Multiplies the logits; ``None`` means ``1/sqrt(d)``.
+    causal : bool
+        End-aligned causal masking (as FlashAttention-2): query ``i`` sees key
+        ``j <= i + (s - n)``.
+    key_mask : boolean array, shape ``(..., s)``, optional
+        ``True`` marks a real key; masked keys get weight 0.
+    mask : boolean array, shape ``(..., n, s)``, optional
+        ``True`` where query ``i`` may attend to key ``j``. Combined (AND) with
+        ``causal`` and ``key_mask``.
+    block_size : int, optional
+        When given, run the blockwise online-softmax algorithm (FlashAttention) over
+        query and key blocks of this size: memory ``O((n + s) d + block^2)`` per batch
+        element instead of ``O(n s)``, same result to rounding.
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+        Same namespace, device and dtype as ``q``. A query that may attend to no key
+        returns zeros. float16/bfloat16 inputs are computed in float32.
+
+    Raises
+    ------
+    TypeError
+        Non-floating or mismatched dtypes, arrays of different libraries, non-boolean
+        masks.
+    ValueError
+        Shapes that do not fit (the message names the argument and both shapes),
+        ``block_size <= 0``.
+
+    Notes
+    -----
+    The row maximum of the logits is subtracted before ``exp`` (it cancels in the
+    ratio), so logits up to ``|q.k.scale| ~ 1e4`` are safe in float32.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import softmax_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 5, 4)) for _ in range(3))
+    >>> out = softmax_attention(q, k, v, causal=True)
+    >>> out.shape
+    (2, 5, 4)
+    >>> bool(np.allclose(out[:, 0], v[:, 0]))  # the first query sees only the first key
+    True
+    >>> bool(np.allclose(softmax_attention(q, k, v, block_size=2), softmax_attention(q, k, v)))
+    True
+    """
+    p = check_qkv(q, k, v)
+    check_key_mask(p, key_mask, q)
+    check_mask(p, mask, q)
+    block_size = check_positive_int("block_size", block_size, allow_none=True)
+    scale = check_scale(scale, p.d)
+    xp = p.xp
+    # Fold the scale into q once (O(n d)) instead of into every score (O(n s)).
+    wq = xp.astype(q, p.work_dtype, copy=False) * scale
+    wk = xp.astype(k, p.work_dtype, copy=False)
+    wv = xp.astype(v, p.work_dtype, copy=False)
+    if block_size is None or (block_size >= p.n and block_size >= p.s):
+        out = _dense(p, wq, wk, wv, causal=causal, key_mask=key_mask, mask=mask)
+    else:
+        out = _blockwise(p, wq, wk, wv, causal=causal, key_mask=key_mask, mask=mask,
+                         block_size=block_size)
+    return xp.astype(out, p.dtype, copy=False)
+
+
+register(Variant(
+    name="softmax",
+    fn=softmax_attention,
+    family="exact",
+    exact=True,
+    causal=True,
+    key_mask=True,
+    mask=True,
+    normalized=True,
+    complexity="O(n s d) time, O(n s) memory",
+    citation="Vaswani et al. 2017, Attention Is All You Need",
+))
+
+register(Variant(
+    name="softmax_blockwise",
+    fn=softmax_attention,
+    family="exact",
+    exact=True,
+    causal=True,
+    key_mask=True,
+    mask=True,
+    normalized=True,
+    defaults={"block_size": 256},
+    parameter="block_size",
+    complexity="O(n s d) time, O((n + s) d + block^2) memory",
+    citation="Dao et al. 2022, FlashAttention; Dao 2023, FlashAttention-2",
+))

@@ -1,0 +1,160 @@
+"""The one registry of attention variants.
+
+Each variant module calls :func:`register` once at import; tests, the CLI, the
+benchmarks and the docs iterate over :func:`variants`, so registering a variant is all
+it takes to have it tested, benchmarked and documented.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+__all__ = ["Variant", "register", "variants", "get_variant", "attention_matrix"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One registered attention variant.
+
+    Attributes
+    ----------
+    name : str
+        Registry key, e.g. ``"softmax"`` or ``"performer_positive"``.
+    fn : callable
+        The public function, ``fn(q, k, v, **options)``.
+    family : str
+        ``"exact"``, ``"kernel"``, ``"random_features"``, ``"low_rank"``, ``"sparse"``,
+        ``"hashing"`` ...
+    exact : bool
+        Whether the output equals exact softmax attention (up to rounding).
+    causal, key_mask, mask : bool
+        Which of the common options the variant supports.
+    normalized : bool
+        Whether rows of the implied attention matrix sum to 1.
+    defaults : mapping
+        Options passed on every call through the record (user options win).
+    parameter : str or None
+        Name of the option that sets the approximation size (``num_features``,
+        ``num_landmarks``, ``window`` ...), for reports and plots.
+    complexity, citation : str
+        For the docs and reports.
+    call : callable or None
+        Adapter ``call(q, k, v, **options)`` for variants whose function takes other
+        inputs (e.g. shared-QK LSH uses ``q`` as ``qk`` and ignores ``k``); documented in
+        ``notes``.
+    random : bool
+        Whether the variant draws random matrices (controlled by ``seed``).
+    cross : bool
+        Whether ``n != s`` (cross-attention) is supported.
+    notes : str
+        Anything a user of the uniform call must know.
+    """
+
+    name: str
+    fn: Callable
+    family: str
+    exact: bool
+    causal: bool
+    key_mask: bool
+    complexity: str
+    citation: str
+    mask: bool = False
+    normalized: bool = True
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    parameter: str | None = None
+    call: Callable | None = None
+    random: bool = False
+    cross: bool = True
+    notes: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+
+    def __call__(self, q, k, v, /, **options):
+        """Run the variant with its default options overridden by ``options``."""
+        opts = {**self.defaults, **options}
+        return (self.call or self.fn)(q, k, v, **opts)
+
+    @property
+    def parameter_value(self):
+        """The default value of the approximation parameter (or ``None``)."""
+        return None if self.parameter is None else self.defaults.get(self.parameter)
+
+
+_REGISTRY: dict[str, Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    """Add ``variant`` to the registry (names are unique)."""
+    if variant.name in _REGISTRY:
+        raise ValueError(f"a variant named {variant.name!r} is already registered")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+def variants(*, family: str | None = None, exact: bool | None = None,
+             causal: bool | None = None) -> tuple[Variant, ...]:
+    """All registered variants in registration order, optionally filtered.
+
+    Examples
+    --------
+    >>> import arrayattn
+    >>> [v.name for v in arrayattn.variants(exact=True)][:2]
+    ['softmax', 'softmax_blockwise']
+    """
+    out = []
+    for rec in _REGISTRY.values():
+        if family is not None and rec.family != family:
+            continue
+        if exact is not None and rec.exact != exact:
+            continue
+        if causal is not None and rec.causal != causal:
+            continue
+        out.append(rec)
+    return tuple(out)
+
+
+def get_variant(name: str) -> Variant:
+    """The registered variant called ``name``.
+
+    Raises ``ValueError`` listing the registered names when there is none.
+    """
+    if isinstance(name, Variant):
+        return name
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"no variant named {name!r}; registered: {', '.join(_REGISTRY)}"
+        ) from None
+
+
+def attention_matrix(fn, q, k, /, **options):
+    """The dense ``(..., n, s)`` attention matrix that a variant implies.
+
+    Every variant is linear in ``v``, so ``A = fn(q, k, I_s)``; this runs ``fn`` once on
+    an identity value matrix.  ``fn`` is a registry name, a :class:`Variant` or any
+    callable ``fn(q, k, v, **options)``.  Meant for tests, docs and small ``s``: it
+    costs ``s`` value columns.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import attention_matrix, softmax_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((3, 4)), rng.standard_normal((5, 4))
+    >>> a = attention_matrix("softmax", q, k, causal=True)
+    >>> a.shape
+    (3, 5)
+    >>> bool(np.allclose(a.sum(axis=-1), 1.0))
+    True
+    """
+    from ._xp import xp_device, xp_namespace
+
+    if isinstance(fn, str):
+        fn = get_variant(fn)
+    xp = xp_namespace(q, k, names=("q", "k"))
+    s = k.shape[-2]
+    eye = xp.eye(s, dtype=q.dtype, device=xp_device(q))
+    return fn(q, k, eye, **options)
