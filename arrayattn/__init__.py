@@ -6,10 +6,16 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
 from .exact import softmax_attention
+from .linformer import linformer_attention, linformer_projection
+from .sparse import (BlockLayout, bigbird_layout, block_layout, fixed_layout, local_attention,
+                     local_layout, longformer_layout, sparse_attention, strided_layout)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants",
     "softmax_attention",
+    "linformer_attention", "linformer_projection",
+    "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
+    "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
 ]

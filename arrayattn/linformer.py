@@ -1,0 +1,200 @@
+"""Linformer: softmax attention over keys and values compressed along the sequence axis.
+
+.. math::
+
+    \\operatorname{Linformer}(Q, K, V) = \\operatorname{softmax}\\!\\left(
+        Q (E K)^\\top \\cdot \\text{scale}\\right) (F V),
+    \\qquad E, F \\in \\mathbb{R}^{m \\times s}
+
+Wang et al. 2020, "Linformer: Self-Attention with Linear Complexity" (arXiv:2006.04768),
+equation (7); the random projections of their Theorem 1 have i.i.d. ``N(0, 1/m)``
+entries; ``F = E`` is the paper's "key-value sharing" variant (section 4).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._validate import (check_key_mask, check_no_causal, check_positive_int, check_qkv,
+                        check_same_array_kind, check_scale)
+from ._xp import xp_from_host, xp_namespace
+from .exact import attend
+from .registry import Variant, register
+
+__all__ = ["linformer_attention", "linformer_projection"]
+
+_WHY_NOT_CAUSAL = (
+    "every compressed key (E k)_r and value (F v)_r is a mix of all s positions, past "
+    "and future, so no query can be restricted to its past; use a causal variant "
+    "(softmax, local, linear) instead"
+)
+
+
+def linformer_projection(proj_dim: int, s: int, *, seed=0) -> np.ndarray:
+    """The host-drawn Linformer projection ``E (proj_dim, s)`` with i.i.d. ``N(0, 1/proj_dim)`` entries.
+
+    Drawn with ``numpy.random.default_rng(seed)`` in float64, so the same seed gives the
+    same matrix on every backend; :func:`linformer_attention` draws exactly this matrix
+    when no ``e`` is given.
+
+    Examples
+    --------
+    >>> from arrayattn import linformer_projection
+    >>> e = linformer_projection(4, 10, seed=0)
+    >>> e.shape
+    (4, 10)
+    """
+    proj_dim = check_positive_int("proj_dim", proj_dim)
+    s = check_positive_int("s", s)
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((proj_dim, s)) / np.sqrt(proj_dim)
+
+
+def _check_projection(p, name, x, q):
+    check_same_array_kind(p.xp, "q", q, name, x)
+    if not p.xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype; got {x.dtype}")
+    if x.ndim < 2 or x.shape[-1] != p.s:
+        raise ValueError(
+            f"{name} must have shape (..., m, s) with s={p.s} keys; got shape {tuple(x.shape)}"
+        )
+    try:
+        np.broadcast_shapes(tuple(x.shape[:-2]), p.batch)
+    except ValueError:
+        raise ValueError(
+            f"{name} of shape {tuple(x.shape)} has leading dimensions that do not broadcast "
+            f"with the inputs' batch {p.batch}"
+        ) from None
+
+
+def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, scale=None,
+                        key_mask=None, causal=False):
+    r"""Linformer attention (Wang et al. 2020): keys and values projected to ``m`` rows.
+
+    .. math:: O = \operatorname{softmax}\!\left(Q\,(E K)^\top \cdot \mathrm{scale}\right)
+              (F V)
+
+    with ``E, F`` of shape ``(m, s)``. Cost ``O(n m d + m s d)`` time and ``O(n m)``
+    memory instead of ``O(n s)``.
+
+    Parameters
+    ----------
+    q : array, shape ``(..., n, d)``
+    k : array, shape ``(..., s, d)``
+    v : array, shape ``(..., s, dv)``
+    e : array, shape ``(..., m, s)``, optional
+        The key projection ``E`` (e.g. a trained model's weights, per head if it has
+        leading dimensions). Same namespace and device as ``q``; cast to the working
+        dtype. ``None``: draw ``E`` on the host with i.i.d. ``N(0, 1/m)`` entries
+        (:func:`linformer_projection` with ``proj_dim`` and ``seed``).
+    f : array, shape ``(..., m, s)``, optional
+        The value projection ``F``. ``None`` means ``F = E`` (the paper's shared
+        key-value projection).
+    proj_dim : int
+        ``m``, used only when ``e`` is drawn.
+    seed : int or None
+        Seed of the host random generator that draws ``E``.
+    scale : float, optional
+        ``None`` means ``1/sqrt(d)``.
+    key_mask : boolean array, shape ``(..., s)``, optional
+        Padded keys (``False``) have their key *and* value rows set to zero before the
+        projection, so they contribute nothing to ``E K`` and ``F V``. This is all that
+        can be done: after compression a padded position is no longer a separate entry
+        of the softmax, so exact masking is impossible. (A zeroed key still shapes the
+        softmax through the projected rows it is averaged into; it just adds nothing.)
+    causal : bool
+        Must be ``False``: Linformer cannot be causal (``ValueError`` explains why).
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+        Same namespace, device and dtype as ``q``.
+
+    Notes
+    -----
+    The implied attention matrix is ``A = P F`` with ``P = softmax(Q (EK)^T scale)``
+    ``(n, m)``. The rows of ``P`` sum to 1, but those of ``A`` sum to ``P F 1``, which
+    is 1 only if every row of ``F`` sums to 1: with the paper's Gaussian ``F`` a
+    constant ``v`` is *not* returned unchanged. With ``E = F = I`` (``m = s``) the
+    result is exact softmax attention.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import linformer_attention, softmax_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 6, 4)) for _ in range(3))
+    >>> linformer_attention(q, k, v, proj_dim=3).shape
+    (2, 6, 4)
+    >>> eye = np.eye(6)  # E = F = I: exact attention
+    >>> bool(np.allclose(linformer_attention(q, k, v, e=eye), softmax_attention(q, k, v)))
+    True
+    """
+    p = check_qkv(q, k, v)
+    check_no_causal(causal, "linformer_attention", _WHY_NOT_CAUSAL)
+    check_key_mask(p, key_mask, q)
+    scale = check_scale(scale, p.d)
+    xp, wd = p.xp, p.work_dtype
+    if e is None:
+        if f is not None:
+            raise ValueError("f was given without e; pass e as well (or neither)")
+        proj_dim = check_positive_int("proj_dim", proj_dim)
+        e = xp_from_host(xp, linformer_projection(proj_dim, p.s, seed=seed),
+                         dtype=wd, device=p.device)
+    else:
+        _check_projection(p, "e", e, q)
+        e = xp.astype(e, wd, copy=False)
+    if f is None:
+        f = e
+    else:
+        _check_projection(p, "f", f, q)
+        if f.shape[-2] != e.shape[-2]:
+            raise ValueError(
+                f"e and f must project to the same m; got e {tuple(e.shape)}, "
+                f"f {tuple(f.shape)}"
+            )
+        f = xp.astype(f, wd, copy=False)
+    wq = xp.astype(q, wd, copy=False) * scale
+    wk = xp.astype(k, wd, copy=False)
+    wv = xp.astype(v, wd, copy=False)
+    if key_mask is not None:
+        keep = xp.expand_dims(key_mask, axis=-1)
+        wk = xp.where(keep, wk, xp.zeros((), dtype=wd, device=p.device))
+        wv = xp.where(keep, wv, xp.zeros((), dtype=wd, device=p.device))
+    ek = e @ wk                                  # (..., m, d)
+    fv = f @ wv                                  # (..., m, dv)
+    out = attend(xp, wq @ xp.matrix_transpose(ek), fv)
+    return xp.astype(out, p.dtype, copy=False)
+
+
+def _linformer_call(q, k, v, /, *, e=None, f=None, **options):
+    """Uniform-call adapter: host (NumPy) ``e``/``f`` arrays, e.g. read from an ``.npz``
+    file, are moved to ``q``'s namespace and device; arrays of ``q``'s kind pass as is."""
+    from ._xp import xp_device
+
+    xp = xp_namespace(q)
+
+    def move(x):
+        if isinstance(x, np.ndarray) and not isinstance(q, np.ndarray):
+            return xp_from_host(xp, x, dtype=q.dtype, device=xp_device(q))
+        return x
+    return linformer_attention(q, k, v, e=move(e), f=move(f), **options)
+
+
+register(Variant(
+    name="linformer",
+    fn=linformer_attention,
+    call=_linformer_call,
+    family="low_rank",
+    exact=False,
+    causal=False,
+    key_mask=True,
+    normalized=False,
+    defaults={"proj_dim": 32, "seed": 0},
+    parameter="proj_dim",
+    random=True,
+    complexity="O(n m d + m s d) time, O(n m + m d) memory",
+    citation="Wang et al. 2020, Linformer: Self-Attention with Linear Complexity",
+    notes=("E, F (m, s) drawn N(0, 1/m) from seed (F = E) unless e=/f= are given; host "
+           "NumPy e/f are moved to q's library. Rows of A = softmax(Q(EK)^T) F sum to 1 "
+           "only if F's rows do. key_mask zeroes padded keys/values before projection."),
+))

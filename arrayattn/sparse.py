@@ -1,0 +1,743 @@
+"""Sparse attention: exact softmax attention restricted to a pattern, computed block-sparse.
+
+A pattern says which keys each query may see.  Here it is *data*, a :class:`BlockLayout`
+built on the host (NumPy, like every random object of arrayattn, so the same seed gives
+the same layout on every backend):
+
+* ``blocks`` — a boolean ``(n_query_blocks, n_key_blocks)`` matrix of whole blocks of
+  ``block_size`` tokens that are allowed (the unit of Child et al.'s blocksparse
+  kernels, of BigBird and of DeepSpeed's sparsity configs);
+* ``window`` — an optional token-level band ``i - left <= j <= i + right`` (sliding
+  window, Longformer);
+* ``global_tokens`` — optional tokens that attend to every key and are attended by
+  every query (Longformer);
+* ``causal`` — the pattern is autoregressive (``j <= i``).
+
+A query ``i`` may attend to key ``j`` when the block pair is allowed, or ``j`` is in
+``i``'s window, or ``i`` or ``j`` is global — and, if causal, ``j <= i`` (end-aligned:
+``j <= i + s - n``).  :meth:`BlockLayout.dense_mask` gives that ``(n, s)`` mask.
+
+:func:`sparse_attention` never forms the ``(n, s)`` scores: for each query block it
+gathers the key blocks the layout can reach (one batched ``take`` per group of query
+blocks with a similar number of key blocks) and runs masked dense attention on those,
+so time and memory are ``O(n * keys gathered per query)``.
+
+Child et al. 2019, "Generating Long Sequences with Sparse Transformers";
+Beltagy et al. 2020, "Longformer: The Long-Document Transformer";
+Zaheer et al. 2020, "Big Bird: Transformers for Longer Sequences".
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ._validate import check_key_mask, check_positive_int, check_qkv, check_scale
+from ._xp import xp_from_host
+from .exact import attend
+from .registry import Variant, register
+
+__all__ = [
+    "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
+    "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
+]
+
+# Elements of the score tile plus gathered keys/values processed at once (per chunk of
+# query blocks); bounds the working memory at a few hundred MB in float32.
+_CHUNK_ELEMENTS = 1 << 23
+# Query blocks whose numbers of key blocks differ by at most this factor share a group
+# (the shorter rows are padded with masked slots).
+_GROUP_RATIO = 1.25
+
+
+def _nblocks(n: int, b: int) -> int:
+    return -(-n // b)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLayout:
+    """A sparse attention pattern for ``n`` queries and ``s`` keys, as host data.
+
+    Build it with :func:`local_layout`, :func:`strided_layout`, :func:`fixed_layout`,
+    :func:`longformer_layout`, :func:`bigbird_layout` or :func:`block_layout`.
+
+    Attributes
+    ----------
+    n, s : int
+        Numbers of queries and keys.
+    block_size : int
+        Tokens per block; query block ``I`` holds queries ``I*b ... I*b+b-1`` (the last
+        block may be short).
+    blocks : numpy.ndarray of bool, shape ``(ceil(n/b), ceil(s/b))``
+        Whole block pairs that are allowed.
+    window : tuple (left, right) or None
+        Token band: query ``i`` (at position ``i + s - n``) sees keys ``j`` with
+        ``i + s - n - left <= j <= i + s - n + right``.
+    global_tokens : numpy.ndarray of int
+        Tokens (``n == s``) that see every key and that every query sees.
+    causal : bool
+        Whether the pattern also requires ``j <= i + s - n``.
+    pattern : str
+        The builder's name; ``params`` its arguments (for reports).
+    """
+
+    n: int
+    s: int
+    block_size: int
+    blocks: np.ndarray
+    window: tuple | None = None
+    global_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    causal: bool = False
+    pattern: str = "custom"
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        b = self.block_size
+        shape = (_nblocks(self.n, b), _nblocks(self.s, b))
+        blocks = np.array(self.blocks, dtype=bool)  # a private copy, read-only
+        if blocks.shape != shape:
+            raise ValueError(
+                f"blocks must have shape (ceil(n/block_size), ceil(s/block_size)) = {shape} "
+                f"for n={self.n}, s={self.s}, block_size={b}; got {blocks.shape}"
+            )
+        blocks.setflags(write=False)
+        g = np.unique(np.asarray(self.global_tokens, dtype=np.int64).reshape(-1))
+        if g.size and (self.n != self.s or g[0] < 0 or g[-1] >= self.n):
+            raise ValueError(
+                f"global_tokens must be token indices in [0, n) of a self-attention "
+                f"pattern (n == s); got n={self.n}, s={self.s}, tokens {g.tolist()}"
+            )
+        g.setflags(write=False)
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "global_tokens", g)
+        if self.window is not None:
+            object.__setattr__(self, "window", tuple(int(w) for w in self.window))
+
+    # -- derived host data ------------------------------------------------------
+    @property
+    def shift(self) -> int:
+        """``s - n``: query ``i`` sits at key position ``i + s - n`` (end-aligned)."""
+        return self.s - self.n
+
+    @cached_property
+    def support(self) -> np.ndarray:
+        """Boolean ``(n_query_blocks, n_key_blocks)``: key blocks a query block can reach
+        (the blocks that :func:`sparse_attention` gathers)."""
+        b, sh = self.block_size, self.shift
+        nqb, nkb = self.blocks.shape
+        sup = self.blocks.copy()
+        qlo = np.arange(nqb) * b + sh                        # first query position
+        qhi = np.minimum(np.arange(nqb) * b + b - 1, self.n - 1) + sh
+        klo = np.arange(nkb) * b
+        khi = np.minimum(klo + b - 1, self.s - 1)
+        if self.window is not None:
+            left, right = self.window
+            lo, hi = qlo - left, qhi + right
+            sup |= (klo[None, :] <= hi[:, None]) & (khi[None, :] >= lo[:, None])
+        if self.global_tokens.size:
+            gb = np.unique(self.global_tokens // b)
+            sup[gb, :] = True
+            sup[:, gb] = True
+        if self.causal:
+            sup &= klo[None, :] <= qhi[:, None]
+        sup.setflags(write=False)
+        return sup
+
+    @property
+    def density(self) -> float:
+        """Fraction of the ``n * s`` query-key pairs that are allowed."""
+        return float(self.dense_mask().mean()) if self.n and self.s else 0.0
+
+    def dense_mask(self, xp=None, *, device=None):
+        """The ``(n, s)`` boolean mask of the pattern (``True`` = may attend).
+
+        For tests and docs (it costs ``n * s``). A NumPy array by default; pass a
+        namespace ``xp`` (and ``device``) to get it there.
+
+        Examples
+        --------
+        >>> from arrayattn import local_layout
+        >>> local_layout(5, window=1, block_size=2).dense_mask().astype(int)
+        array([[1, 1, 0, 0, 0],
+               [1, 1, 1, 0, 0],
+               [0, 1, 1, 1, 0],
+               [0, 0, 1, 1, 1],
+               [0, 0, 0, 1, 1]])
+        """
+        b = self.block_size
+        i = np.arange(self.n)[:, None]
+        j = np.arange(self.s)[None, :]
+        pos = i + self.shift
+        m = self.blocks[i // b, j // b]
+        if self.window is not None:
+            left, right = self.window
+            m = m | ((j >= pos - left) & (j <= pos + right))
+        if self.global_tokens.size:
+            g = np.zeros(self.n, dtype=bool)
+            g[self.global_tokens] = True
+            m = m | g[:, None] | g[None, :]
+        if self.causal:
+            m = m & (j <= pos)
+        if xp is None:
+            return m
+        return xp_from_host(xp, m.astype(np.float64), dtype=xp.float32, device=device) > 0.5
+
+    # -- the gather plan ----------------------------------------------------------
+    @cached_property
+    def plan(self) -> tuple:
+        """Groups ``(rows, idx, valid)`` of query blocks: ``rows (G,)`` query blocks,
+        ``idx (G, R)`` the key blocks each gathers (sorted, padded), ``valid (G, R)``
+        which of those slots are real. Rows in one group have between ``R/1.25`` and
+        ``R`` key blocks."""
+        sup = self.support
+        counts = sup.sum(axis=1)
+        order = np.argsort(-counts, kind="stable")
+        groups, start = [], 0
+        while start < order.size:
+            r = max(int(counts[order[start]]), 1)
+            stop = start
+            while stop < order.size and counts[order[stop]] * _GROUP_RATIO >= r:
+                stop += 1
+            stop = max(stop, start + 1)
+            rows = np.sort(order[start:stop])
+            idx = np.argsort(~sup[rows], axis=1, kind="stable")[:, :r]
+            valid = np.take_along_axis(sup[rows], idx, axis=1)
+            groups.append((rows, idx, valid))
+            start = stop
+        return tuple(groups)
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
+        return (f"BlockLayout({self.pattern!r}, n={self.n}, s={self.s}, "
+                f"block_size={self.block_size}{extra})")
+
+
+# ---------------------------------------------------------------------------------
+# Pattern builders
+# ---------------------------------------------------------------------------------
+
+def _check_window(window):
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+        window = (int(window), int(window))
+    if (not isinstance(window, tuple) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                       for w in window)):
+        raise TypeError(f"window must be an int or a pair (left, right) of ints; got {window!r}")
+    if min(window) < 0:
+        raise ValueError(f"window sizes must be >= 0; got {window!r}")
+    return tuple(int(w) for w in window)
+
+
+def _self_attention(pattern: str, n: int, s) -> int:
+    n = check_positive_int("n", n)
+    if s is not None and s != n:
+        raise ValueError(f"the {pattern} pattern is defined for self-attention (n == s); "
+                         f"got n={n}, s={s}")
+    return n
+
+
+def block_layout(blocks, *, n: int, s: int | None = None, block_size: int,
+                 causal: bool = False) -> BlockLayout:
+    """A layout from a user's block matrix (e.g. a DeepSpeed or Triton block layout).
+
+    ``blocks`` is a boolean ``(ceil(n/block_size), ceil(s/block_size))`` array-like.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import block_layout
+    >>> lay = block_layout(np.eye(3, dtype=bool), n=6, block_size=2)  # block diagonal
+    >>> lay.dense_mask().sum(axis=1)
+    array([2, 2, 2, 2, 2, 2])
+    """
+    n = check_positive_int("n", n)
+    s = n if s is None else check_positive_int("s", s)
+    b = check_positive_int("block_size", block_size)
+    return BlockLayout(n=n, s=s, block_size=b, blocks=np.asarray(blocks), causal=bool(causal),
+                       pattern="custom")
+
+
+def local_layout(n: int, *, window, s: int | None = None, block_size: int = 64,
+                 causal: bool = False) -> BlockLayout:
+    """Sliding window: query ``i`` sees keys ``i - left ... i + right`` (token level).
+
+    ``window`` is ``w`` (``left = right = w``, or ``right = 0`` when ``causal``) or a pair
+    ``(left, right)``. This is FlashAttention's ``window_size=(left, right)``
+    convention: a symmetric window covers ``2w + 1`` keys, a causal one ``w + 1``
+    (Mistral's ``sliding_window=W`` is ``window=W - 1``). With ``n != s`` queries are
+    end-aligned (query ``i`` is at key position ``i + s - n``). ``block_size`` only sets
+    the granularity of the computation, not the pattern.
+
+    Examples
+    --------
+    >>> from arrayattn import local_layout
+    >>> local_layout(4, window=1, causal=True, block_size=2).dense_mask().astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]])
+    """
+    n = check_positive_int("n", n)
+    s = n if s is None else check_positive_int("s", s)
+    b = check_positive_int("block_size", block_size)
+    left, right = _check_window(window)
+    if causal:
+        right = 0
+    blocks = np.zeros((_nblocks(n, b), _nblocks(s, b)), dtype=bool)
+    return BlockLayout(n=n, s=s, block_size=b, blocks=blocks, window=(left, right),
+                       causal=bool(causal), pattern="local",
+                       params={"window": (left, right), "causal": bool(causal)})
+
+
+def strided_layout(n: int, *, stride: int, block_size: int = 64, causal: bool = True,
+                   s: int | None = None) -> BlockLayout:
+    """Child et al.'s *strided* pattern on blocks (Sparse Transformer, eq. for A(1), A(2)).
+
+    With ``I, J`` block indices and ``l = stride`` (in blocks): query block ``I`` sees
+    key blocks with ``I - l < J <= I`` (the previous ``l`` blocks) and with
+    ``(I - J) mod l == 0`` (every ``l``-th block), ``J <= I`` when ``causal``; without
+    ``causal`` both parts are mirrored (``|I - J| < l`` or ``(I - J) mod l == 0``).
+    ``block_size=1`` is the paper's token-level pattern; larger blocks are how it runs
+    in blocksparse kernels. The paper splits the two parts over heads or merges them;
+    this is the merged (union) form.
+
+    Examples
+    --------
+    >>> from arrayattn import strided_layout
+    >>> strided_layout(6, stride=2, block_size=1).dense_mask().astype(int)
+    array([[1, 0, 0, 0, 0, 0],
+           [1, 1, 0, 0, 0, 0],
+           [1, 1, 1, 0, 0, 0],
+           [0, 1, 1, 1, 0, 0],
+           [1, 0, 1, 1, 1, 0],
+           [0, 1, 0, 1, 1, 1]])
+    """
+    n = _self_attention("strided", n, s)
+    b = check_positive_int("block_size", block_size)
+    stride = check_positive_int("stride", stride)
+    nb = _nblocks(n, b)
+    diff = np.arange(nb)[:, None] - np.arange(nb)[None, :]
+    blocks = (np.abs(diff) < stride) | (diff % stride == 0)
+    if causal:
+        blocks &= diff >= 0
+    return BlockLayout(n=n, s=n, block_size=b, blocks=blocks, causal=bool(causal),
+                       pattern="strided", params={"stride": stride, "causal": bool(causal)})
+
+
+def fixed_layout(n: int, *, stride: int, summary: int = 1, block_size: int = 64,
+                 causal: bool = True, s: int | None = None) -> BlockLayout:
+    """Child et al.'s *fixed* pattern on blocks (Sparse Transformer).
+
+    With ``l = stride`` and ``c = summary`` (in blocks): query block ``I`` sees the key
+    blocks of its own chunk (``J // l == I // l``) and the last ``c`` blocks of every
+    chunk (``J mod l >= l - c``, the "summary" blocks), ``J <= I`` when ``causal``.
+    ``block_size=1`` is the paper's token-level pattern.
+
+    Examples
+    --------
+    >>> from arrayattn import fixed_layout
+    >>> fixed_layout(6, stride=3, summary=1, block_size=1).dense_mask().astype(int)
+    array([[1, 0, 0, 0, 0, 0],
+           [1, 1, 0, 0, 0, 0],
+           [1, 1, 1, 0, 0, 0],
+           [0, 0, 1, 1, 0, 0],
+           [0, 0, 1, 1, 1, 0],
+           [0, 0, 1, 1, 1, 1]])
+    """
+    n = _self_attention("fixed", n, s)
+    b = check_positive_int("block_size", block_size)
+    stride = check_positive_int("stride", stride)
+    summary = check_positive_int("summary", summary)
+    if summary > stride:
+        raise ValueError(f"summary must be <= stride; got summary={summary}, stride={stride}")
+    nb = _nblocks(n, b)
+    ib, jb = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    blocks = (ib // stride == jb // stride) | (jb % stride >= stride - summary)
+    if causal:
+        blocks &= jb <= ib
+    return BlockLayout(n=n, s=n, block_size=b, blocks=blocks, causal=bool(causal),
+                       pattern="fixed",
+                       params={"stride": stride, "summary": summary, "causal": bool(causal)})
+
+
+def longformer_layout(n: int, *, window, global_tokens=(), block_size: int = 64,
+                      causal: bool = False, s: int | None = None) -> BlockLayout:
+    """Longformer: a token-level sliding window plus symmetric global attention.
+
+    ``window`` as in :func:`local_layout` (Longformer's window size ``w`` covers
+    ``w/2`` tokens on each side, i.e. ``window=w // 2``); ``global_tokens`` are token
+    indices (e.g. ``[0]`` for [CLS], or the question tokens) that attend to every key
+    and are attended by every query. Dilation is not modelled.
+
+    Examples
+    --------
+    >>> from arrayattn import longformer_layout
+    >>> longformer_layout(5, window=1, global_tokens=[0], block_size=2).dense_mask().astype(int)
+    array([[1, 1, 1, 1, 1],
+           [1, 1, 1, 0, 0],
+           [1, 1, 1, 1, 0],
+           [1, 0, 1, 1, 1],
+           [1, 0, 0, 1, 1]])
+    """
+    n = _self_attention("longformer", n, s)
+    b = check_positive_int("block_size", block_size)
+    left, right = _check_window(window)
+    if causal:
+        right = 0
+    g = np.asarray(global_tokens, dtype=np.int64).reshape(-1)
+    blocks = np.zeros((_nblocks(n, b), _nblocks(n, b)), dtype=bool)
+    return BlockLayout(n=n, s=n, block_size=b, blocks=blocks, window=(left, right),
+                       global_tokens=g, causal=bool(causal), pattern="longformer",
+                       params={"window": (left, right), "global_tokens": g.tolist(),
+                               "causal": bool(causal)})
+
+
+def bigbird_layout(n: int, *, block_size: int = 64, num_window_blocks: int = 3,
+                   num_global_blocks: int = 2, num_random_blocks: int = 3, seed=0,
+                   global_blocks=None, causal: bool = False,
+                   s: int | None = None) -> BlockLayout:
+    """BigBird (ITC): sliding blocks + global blocks + random blocks, on blocks.
+
+    * window: query block ``I`` sees key blocks ``I - w//2 ... I + w//2`` for an odd
+      ``w = num_window_blocks`` (``I - w + 1 ... I`` when ``causal``);
+    * global: the ``num_global_blocks`` global blocks (by default the first
+      ``ceil(g/2)`` and the last ``floor(g/2)`` blocks, as in the reference
+      implementation; or ``global_blocks``) see every block and are seen by every block;
+    * random: every other query block sees ``num_random_blocks`` key blocks drawn
+      uniformly without replacement from the blocks not already in its window or
+      global (past blocks only when ``causal``), with
+      ``numpy.random.default_rng(seed)`` on the host: same seed, same layout, on every
+      backend. Rows with fewer candidates take them all.
+
+    Examples
+    --------
+    >>> from arrayattn import bigbird_layout
+    >>> lay = bigbird_layout(64, block_size=8, num_random_blocks=1, seed=0)
+    >>> lay.blocks.sum(axis=1)  # global rows: all 8; others window 3 + global 2 + random 1
+    array([8, 5, 6, 6, 6, 6, 5, 8])
+    >>> lay.blocks[1].astype(int)  # block 1's window already contains global block 0
+    array([1, 1, 1, 1, 0, 0, 0, 1])
+    """
+    n = _self_attention("bigbird", n, s)
+    b = check_positive_int("block_size", block_size)
+    w = check_positive_int("num_window_blocks", num_window_blocks)
+    r = check_positive_int("num_random_blocks", num_random_blocks, minimum=0)
+    nb = _nblocks(n, b)
+    if global_blocks is None:
+        g = check_positive_int("num_global_blocks", num_global_blocks, minimum=0)
+        first = (g + 1) // 2
+        gb = np.unique(np.r_[np.arange(min(first, nb)),
+                             np.arange(max(nb - (g - first), 0), nb)]).astype(np.int64)
+    else:
+        gb = np.unique(np.asarray(global_blocks, dtype=np.int64).reshape(-1))
+        if gb.size and (gb[0] < 0 or gb[-1] >= nb):
+            raise ValueError(f"global_blocks must be block indices in [0, {nb}); "
+                             f"got {gb.tolist()}")
+    if not causal and w % 2 == 0:
+        raise ValueError(f"num_window_blocks must be odd for a centred window; got {w}")
+    ib, jb = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    if causal:
+        window = (jb <= ib) & (jb > ib - w)
+    else:
+        window = np.abs(ib - jb) <= w // 2
+    is_g = np.zeros(nb, dtype=bool)
+    is_g[gb] = True
+    blocks = window | is_g[:, None] | is_g[None, :]
+    if r:
+        cand = ~blocks
+        if causal:
+            cand &= jb <= ib
+        keys = np.random.default_rng(seed).random((nb, nb))
+        keys[~cand] = np.inf
+        pick = np.argsort(keys, axis=1, kind="stable")[:, :r]
+        chosen = np.zeros_like(blocks)
+        np.put_along_axis(chosen, pick, True, axis=1)
+        blocks |= chosen & cand
+    if causal:
+        blocks &= jb <= ib
+    return BlockLayout(n=n, s=n, block_size=b, blocks=blocks, causal=bool(causal),
+                       pattern="bigbird",
+                       params={"num_window_blocks": w, "global_blocks": gb.tolist(),
+                               "num_random_blocks": r, "seed": seed, "causal": bool(causal)})
+
+
+# ---------------------------------------------------------------------------------
+# Block-sparse attention
+# ---------------------------------------------------------------------------------
+
+def _pad_tokens(xp, x, total: int, *, dtype, device):
+    """``x (..., t, c)`` padded with zero rows to ``total`` tokens."""
+    t = x.shape[-2]
+    if t == total:
+        return x
+    pad = xp.zeros((*x.shape[:-2], total - t, x.shape[-1]), dtype=dtype, device=device)
+    return xp.concat([x, pad], axis=-2)
+
+
+def _host_int(xp, a, device):
+    return xp_from_host(xp, np.asarray(a, dtype=np.float64), dtype=xp.int64, device=device)
+
+
+def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
+    """Host description of one chunk: key positions ``(G, R*b)``, slot codes
+    (0 = padding, 1 = reachable, 2 = allowed by a whole block or a global key),
+    query positions ``(G, b)`` and, for global queries, a flag ``(G, b)``."""
+    b = layout.block_size
+    ar = np.arange(b)
+    kpos = (idx[:, :, None] * b + ar).reshape(idx.shape[0], -1)
+    kvalid = np.repeat(valid, b, axis=1) & (kpos < layout.s)
+    full = np.repeat(layout.blocks[rows[:, None], idx], b, axis=1)
+    qpos = rows[:, None] * b + ar
+    gq = None
+    if layout.global_tokens.size:
+        g = np.zeros(max(layout.n, layout.s) + b * 2, dtype=bool)
+        g[layout.global_tokens] = True
+        full = full | g[kpos]
+        gq = g[qpos]
+        if not gq.any():
+            gq = None
+    code = np.where(kvalid, np.where(full, 2, 1), 0)
+    # A row can skip the token-level rules when every slot is already decided.
+    needs_rules = layout.window is not None or gq is not None or causal
+    return kpos, code, qpos + layout.shift, gq, needs_rules
+
+
+def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
+    """The gather-and-attend core. ``q`` is already scaled; all in the working dtype."""
+    xp, dev, wd = p.xp, p.device, p.work_dtype
+    b, n, s = layout.block_size, p.n, p.s
+    nqb, nkb = layout.blocks.shape
+    causal = causal or layout.causal
+    qb = _pad_tokens(xp, q, nqb * b, dtype=wd, device=dev)
+    kb = _pad_tokens(xp, k, nkb * b, dtype=wd, device=dev)
+    vb = _pad_tokens(xp, v, nkb * b, dtype=wd, device=dev)
+    qb = xp.reshape(qb, (*qb.shape[:-2], nqb, b, p.d))
+    kb = xp.reshape(kb, (*kb.shape[:-2], nkb, b, p.d))
+    vb = xp.reshape(vb, (*vb.shape[:-2], nkb, b, p.dv))
+    if key_mask is not None:
+        km = key_mask
+        if nkb * b != s:
+            pad = xp.zeros((*km.shape[:-1], nkb * b - s), dtype=xp.bool, device=dev)
+            km = xp.concat([km, pad], axis=-1)
+        km = xp.reshape(km, (*km.shape[:-1], nkb, b))
+    batch = math.prod(p.batch)
+    left, right = layout.window if layout.window is not None else (0, 0)
+    outs, order = [], []
+    for rows_all, idx_all, valid_all in layout.plan:
+        r = idx_all.shape[1]
+        per_block = batch * (b * r * b + r * b * (p.d + p.dv) + b * (p.d + p.dv))
+        step = max(1, _CHUNK_ELEMENTS // per_block)
+        for c0 in range(0, rows_all.size, step):
+            rows = rows_all[c0:c0 + step]
+            idx, valid = idx_all[c0:c0 + step], valid_all[c0:c0 + step]
+            g = rows.size
+            kpos, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
+                                                             causal=causal)
+            rows_x = _host_int(xp, rows, dev)
+            idx_x = _host_int(xp, idx.reshape(-1), dev)
+            qc = xp.take(qb, rows_x, axis=qb.ndim - 3)
+            kc = xp.take(kb, idx_x, axis=kb.ndim - 3)
+            vc = xp.take(vb, idx_x, axis=vb.ndim - 3)
+            kc = xp.reshape(kc, (*kc.shape[:-3], g, r * b, p.d))
+            vc = xp.reshape(vc, (*vc.shape[:-3], g, r * b, p.dv))
+            code_x = xp.expand_dims(_host_int(xp, code, dev), axis=-2)   # (G, 1, Rb)
+            allowed = code_x == 2
+            if needs_rules:
+                kpos_x = xp.expand_dims(_host_int(xp, kpos, dev), axis=-2)  # (G, 1, Rb)
+                apos_x = xp.expand_dims(_host_int(xp, apos, dev), axis=-1)  # (G, b, 1)
+                reach = code_x >= 1
+                if layout.window is not None:
+                    allowed = allowed | (reach & (kpos_x >= apos_x - left)
+                                         & (kpos_x <= apos_x + right))
+                if gq is not None:
+                    gq_x = xp.expand_dims(_host_int(xp, gq, dev), axis=-1) > 0
+                    allowed = allowed | (reach & gq_x)
+                if causal:
+                    allowed = allowed & (kpos_x <= apos_x)
+            if key_mask is not None:
+                kmc = xp.take(km, idx_x, axis=km.ndim - 2)
+                kmc = xp.reshape(kmc, (*kmc.shape[:-2], g, 1, r * b))
+                allowed = allowed & kmc
+            scores = qc @ xp.matrix_transpose(kc)                      # (..., G, b, Rb)
+            outs.append(attend(xp, scores, vc, allowed))               # (..., G, b, dv)
+            order.append(rows)
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)
+    perm = np.concatenate(order)
+    if not np.array_equal(perm, np.arange(nqb)):
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(perm.size)
+        out = xp.take(out, _host_int(xp, inv, dev), axis=out.ndim - 3)
+    out = xp.reshape(out, (*out.shape[:-3], nqb * b, p.dv))
+    return out[..., :n, :] if nqb * b != n else out
+
+
+def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=False,
+                     key_mask=None):
+    r"""Exact softmax attention restricted to a sparse pattern, computed block-sparse.
+
+    .. math:: O = \operatorname{softmax}\!\left(Q K^\top \cdot \mathrm{scale} + M\right) V,
+              \qquad M_{ij} = 0 \text{ if } (i, j) \in \text{pattern}, -\infty \text{ else}
+
+    equal (to rounding) to ``softmax_attention(q, k, v, mask=layout.dense_mask())``,
+    but for each query block only the key blocks the layout reaches are gathered and
+    attended: time ``O(n r b d)`` and memory ``O(n r b)`` for ``r`` gathered blocks
+    of ``b`` keys per query block, never ``O(n s)``.
+
+    Parameters
+    ----------
+    q : array, shape ``(..., n, d)``
+    k : array, shape ``(..., s, d)``
+    v : array, shape ``(..., s, dv)``
+    layout : BlockLayout
+        The pattern, for exactly these ``n`` and ``s`` (it carries its block size);
+        see :func:`local_layout`, :func:`strided_layout`, :func:`fixed_layout`,
+        :func:`longformer_layout`, :func:`bigbird_layout`, :func:`block_layout`.
+    scale : float, optional
+        ``None`` means ``1/sqrt(d)``.
+    causal : bool
+        Additionally require ``j <= i + s - n`` (end-aligned). A causal layout is
+        causal whatever this flag says.
+    key_mask : boolean array, shape ``(..., s)``, optional
+        ``True`` marks a real key.
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+        Same namespace, device and dtype as ``q``; a query with no allowed key gives 0.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import bigbird_layout, softmax_attention, sparse_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 40, 8)) for _ in range(3))
+    >>> lay = bigbird_layout(40, block_size=4, num_random_blocks=1, seed=0)
+    >>> out = sparse_attention(q, k, v, layout=lay)
+    >>> ref = softmax_attention(q, k, v, mask=lay.dense_mask())
+    >>> bool(np.allclose(out, ref))
+    True
+    """
+    p = check_qkv(q, k, v)
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout (see arrayattn.local_layout etc.); "
+                        f"got {type(layout).__name__}")
+    if (layout.n, layout.s) != (p.n, p.s):
+        raise ValueError(
+            f"layout was built for n={layout.n} queries and s={layout.s} keys but q has "
+            f"n={p.n} (shape {tuple(q.shape)}) and k has s={p.s} (shape {tuple(k.shape)})"
+        )
+    check_key_mask(p, key_mask, q)
+    scale = check_scale(scale, p.d)
+    xp = p.xp
+    wq = xp.astype(q, p.work_dtype, copy=False) * scale
+    wk = xp.astype(k, p.work_dtype, copy=False)
+    wv = xp.astype(v, p.work_dtype, copy=False)
+    out = _block_sparse(p, wq, wk, wv, layout, causal=bool(causal), key_mask=key_mask)
+    return xp.astype(out, p.dtype, copy=False)
+
+
+def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=None,
+                    key_mask=None):
+    r"""Sliding-window attention: query ``i`` attends to keys ``i - left ... i + right``.
+
+    Exact softmax attention on the band of :func:`local_layout` (``window`` = ``w`` for
+    ``w`` keys on each side, ``w`` past keys when ``causal``, or a pair
+    ``(left, right)``; FlashAttention's ``window_size`` convention), computed
+    block-sparse in ``O(n (left + right + 2 b) d)`` time and memory. With ``n != s``
+    queries are end-aligned (query ``i`` is at key position ``i + s - n``).
+
+    Parameters
+    ----------
+    q, k, v : arrays ``(..., n, d)``, ``(..., s, d)``, ``(..., s, dv)``
+    window : int or (int, int)
+    causal : bool
+        Keys after the query are excluded (``right = 0``).
+    block_size : int
+        Granularity of the computation (the result does not depend on it).
+    scale : float, optional
+        ``None`` means ``1/sqrt(d)``.
+    key_mask : boolean array ``(..., s)``, optional
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import local_attention, softmax_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 30, 8)) for _ in range(3))
+    >>> out = local_attention(q, k, v, window=4, causal=True, block_size=8)
+    >>> bool(np.allclose(out[:, :5], softmax_attention(q[:, :5], k[:, :5], v[:, :5], causal=True)))
+    True
+    >>> bool(np.allclose(local_attention(q, k, v, window=30), softmax_attention(q, k, v)))
+    True
+    """
+    p = check_qkv(q, k, v)
+    layout = local_layout(p.n, s=p.s, window=window, block_size=block_size, causal=causal)
+    return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,
+                            key_mask=key_mask)
+
+
+# ---------------------------------------------------------------------------------
+# Registry: uniform-call adapters build the layout from the inputs' n.
+# ---------------------------------------------------------------------------------
+
+def _pattern_call(builder, **fixed):
+    def call(q, k, v, /, *, scale=None, causal=False, key_mask=None, **options):
+        opts = {**fixed, **options}
+        layout = builder(q.shape[-2], s=k.shape[-2], **opts)
+        return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,
+                                key_mask=key_mask)
+    call.__name__ = f"{builder.__name__}_attention"
+    return call
+
+
+_SPARSE = dict(family="sparse", exact=False, causal=True, key_mask=True, normalized=True)
+
+register(Variant(
+    name="local", fn=local_attention, **_SPARSE,
+    defaults={"window": 16, "block_size": 16}, parameter="window",
+    complexity="O(n (2w + 2b) d) time and memory",
+    citation="Child et al. 2019 (local heads); Beltagy et al. 2020 (sliding window)",
+    notes="window = keys on each side (FlashAttention window_size); end-aligned when n != s.",
+))
+register(Variant(
+    name="longformer", fn=sparse_attention, call=_pattern_call(longformer_layout),
+    **_SPARSE, cross=False,
+    defaults={"window": 8, "global_tokens": (0,), "block_size": 16}, parameter="window",
+    complexity="O(n (2w + 2b + g) d) time and memory",
+    citation="Beltagy et al. 2020, Longformer: The Long-Document Transformer",
+    notes="Layout built from n by longformer_layout(window=, global_tokens=, block_size=).",
+))
+register(Variant(
+    name="bigbird", fn=sparse_attention, call=_pattern_call(bigbird_layout),
+    **_SPARSE, cross=False, random=True,
+    defaults={"block_size": 8, "num_window_blocks": 3, "num_global_blocks": 2,
+              "num_random_blocks": 2, "seed": 0},
+    parameter="num_random_blocks",
+    complexity="O(n (w + g + r) b d) time and memory",
+    citation="Zaheer et al. 2020, Big Bird: Transformers for Longer Sequences",
+    notes="Layout built from n by bigbird_layout(...); random blocks drawn on the host.",
+))
+register(Variant(
+    name="strided", fn=sparse_attention, call=_pattern_call(strided_layout, causal=False),
+    **_SPARSE, cross=False,
+    defaults={"stride": 3, "block_size": 8}, parameter="stride",
+    complexity="O(n (l + n/l) b d) time and memory",
+    citation="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
+    notes="Block-level strided pattern (strided_layout); symmetric unless causal=True.",
+))
+register(Variant(
+    name="fixed", fn=sparse_attention, call=_pattern_call(fixed_layout, causal=False),
+    **_SPARSE, cross=False,
+    defaults={"stride": 4, "summary": 1, "block_size": 8}, parameter="stride",
+    complexity="O(n (l + c n/l) b d) time and memory",
+    citation="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
+    notes="Block-level fixed pattern (fixed_layout); symmetric unless causal=True.",
+))
