@@ -49,9 +49,9 @@ __all__ = [
 # Elements of the score tile plus gathered keys/values processed at once (per chunk of
 # query blocks); bounds the working memory at a few hundred MB in float32.
 _CHUNK_ELEMENTS = 1 << 23
-# Query blocks whose numbers of key blocks differ by at most this factor share a group
-# (the shorter rows are padded with masked slots).
-_GROUP_RATIO = 1.25
+# The cost of one more group of query blocks, in score elements: a group is a dozen
+# array operations, worth about this much padded work.
+_GROUP_OVERHEAD = 1 << 17
 
 
 def _nblocks(n: int, b: int) -> int:
@@ -190,24 +190,38 @@ class BlockLayout:
     @cached_property
     def plan(self) -> tuple:
         """Groups ``(rows, idx, valid)`` of query blocks: ``rows (G,)`` query blocks,
-        ``idx (G, R)`` the key blocks each gathers (sorted, padded), ``valid (G, R)``
-        which of those slots are real. Rows in one group have between ``R/1.25`` and
-        ``R`` key blocks."""
+        ``idx (G, R)`` the key blocks each gathers (sorted, padded with masked slots),
+        ``valid (G, R)`` which slots are real.
+
+        Query blocks are sorted by how many key blocks they reach and cut into
+        contiguous groups minimising padded work plus a fixed cost per group
+        (a small dynamic programme over the distinct counts), so a few global rows
+        that reach every block do not pad the many local rows, and a handful of edge
+        rows do not cost a group of their own."""
         sup = self.support
-        counts = sup.sum(axis=1)
+        b = self.block_size
+        counts = np.maximum(sup.sum(axis=1), 1)
         order = np.argsort(-counts, kind="stable")
-        groups, start = [], 0
-        while start < order.size:
-            r = max(int(counts[order[start]]), 1)
-            stop = start
-            while stop < order.size and counts[order[stop]] * _GROUP_RATIO >= r:
-                stop += 1
-            stop = max(stop, start + 1)
-            rows = np.sort(order[start:stop])
+        vals, first = np.unique(-counts[order], return_index=True)
+        vals, bounds = -vals, np.r_[first, order.size]
+        m = vals.size
+        best, cut = np.zeros(m + 1), np.zeros(m + 1, dtype=np.int64)
+        for t in range(1, m + 1):
+            costs = [best[u] + vals[u] * (bounds[t] - bounds[u]) * b * b + _GROUP_OVERHEAD
+                     for u in range(t)]
+            cut[t] = int(np.argmin(costs))
+            best[t] = costs[cut[t]]
+        segments, t = [], m
+        while t > 0:
+            segments.append((cut[t], t))
+            t = cut[t]
+        groups = []
+        for u, t in reversed(segments):
+            rows = np.sort(order[bounds[u]:bounds[t]])
+            r = int(vals[u])
             idx = np.argsort(~sup[rows], axis=1, kind="stable")[:, :r]
             valid = np.take_along_axis(sup[rows], idx, axis=1)
             groups.append((rows, idx, valid))
-            start = stop
         return tuple(groups)
 
     def __repr__(self) -> str:
@@ -479,7 +493,13 @@ def _pad_tokens(xp, x, total: int, *, dtype, device):
 
 
 def _host_int(xp, a, device):
-    return xp_from_host(xp, np.asarray(a, dtype=np.float64), dtype=xp.int64, device=device)
+    """Host integers (block indices, positions) to ``xp`` int64 on ``device``."""
+    host = np.ascontiguousarray(a, dtype=np.int64)
+    try:
+        out = xp.asarray(host, device=device)
+    except (TypeError, ValueError, RuntimeError):  # namespaces that need a float copy
+        return xp_from_host(xp, host.astype(np.float64), dtype=xp.int64, device=device)
+    return out if out.dtype == xp.int64 else xp.astype(out, xp.int64)
 
 
 def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
