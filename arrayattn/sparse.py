@@ -147,10 +147,33 @@ class BlockLayout:
         sup.setflags(write=False)
         return sup
 
+    def count_allowed(self, *, causal: bool = False) -> int:
+        """Number of allowed query-key pairs (with ``causal`` added), computed tile by
+        tile on the host in ``O(n * keys gathered per query)`` memory, never ``n * s``."""
+        import array_api_compat.numpy as xnp
+
+        total = 0
+        for rows, idx, valid in self.plan:
+            step = max(1, _CHUNK_ELEMENTS // (self.block_size ** 2 * idx.shape[1]))
+            for c0 in range(0, rows.size, step):
+                sl = slice(c0, c0 + step)
+                m = _tile_mask(xnp, self, rows[sl], idx[sl], valid[sl],
+                               causal=causal or self.causal, device="cpu")
+                qvalid = (rows[sl, None] * self.block_size + np.arange(self.block_size)) < self.n
+                total += int(np.sum(np.broadcast_to(m, (m.shape[0], self.block_size,
+                                                        m.shape[2])) & qvalid[:, :, None]))
+        return total
+
     @property
     def density(self) -> float:
         """Fraction of the ``n * s`` query-key pairs that are allowed."""
-        return float(self.dense_mask().mean()) if self.n and self.s else 0.0
+        return self.count_allowed() / (self.n * self.s)
+
+    def count_computed(self) -> int:
+        """Number of query-key scores :func:`sparse_attention` computes (gathered tiles,
+        including masked and padded slots): its cost is ``4 d`` FLOPs per score."""
+        return sum(int(rows.size) * idx.shape[1] for rows, idx, _ in self.plan) \
+            * self.block_size ** 2
 
     def dense_mask(self, xp=None, *, device=None):
         """The ``(n, s)`` boolean mask of the pattern (``True`` = may attend).
@@ -526,6 +549,28 @@ def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
     return kpos, code, qpos + layout.shift, gq, needs_rules
 
 
+def _tile_mask(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, device):
+    """The pattern's boolean ``(G, b, R*b)`` mask over the gathered tiles of query blocks
+    ``rows`` and key blocks ``idx`` (no key mask), built on ``device`` from ``O(G R b)``
+    host integers. The one place the pattern's token-level rules are applied."""
+    kpos, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid, causal=causal)
+    code_x = xp.expand_dims(_host_int(xp, code, device), axis=-2)          # (G, 1, Rb)
+    allowed = code_x == 2
+    if not needs_rules:
+        return allowed
+    kpos_x = xp.expand_dims(_host_int(xp, kpos, device), axis=-2)          # (G, 1, Rb)
+    apos_x = xp.expand_dims(_host_int(xp, apos, device), axis=-1)          # (G, b, 1)
+    reach = code_x >= 1
+    if layout.window is not None:
+        left, right = layout.window
+        allowed = allowed | (reach & (kpos_x >= apos_x - left) & (kpos_x <= apos_x + right))
+    if gq is not None:
+        allowed = allowed | (reach & (xp.expand_dims(_host_int(xp, gq, device), axis=-1) > 0))
+    if causal:
+        allowed = allowed & (kpos_x <= apos_x)
+    return allowed
+
+
 def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
     """The gather-and-attend core. ``q`` is already scaled; all in the working dtype."""
     xp, dev, wd = p.xp, p.device, p.work_dtype
@@ -545,7 +590,6 @@ def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
             km = xp.concat([km, pad], axis=-1)
         km = xp.reshape(km, (*km.shape[:-1], nkb, b))
     batch = math.prod(p.batch)
-    left, right = layout.window if layout.window is not None else (0, 0)
     outs, order = [], []
     for rows_all, idx_all, valid_all in layout.plan:
         r = idx_all.shape[1]
@@ -555,8 +599,6 @@ def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
             rows = rows_all[c0:c0 + step]
             idx, valid = idx_all[c0:c0 + step], valid_all[c0:c0 + step]
             g = rows.size
-            kpos, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
-                                                             causal=causal)
             rows_x = _host_int(xp, rows, dev)
             idx_x = _host_int(xp, idx.reshape(-1), dev)
             qc = xp.take(qb, rows_x, axis=qb.ndim - 3)
@@ -564,20 +606,7 @@ def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
             vc = xp.take(vb, idx_x, axis=vb.ndim - 3)
             kc = xp.reshape(kc, (*kc.shape[:-3], g, r * b, p.d))
             vc = xp.reshape(vc, (*vc.shape[:-3], g, r * b, p.dv))
-            code_x = xp.expand_dims(_host_int(xp, code, dev), axis=-2)   # (G, 1, Rb)
-            allowed = code_x == 2
-            if needs_rules:
-                kpos_x = xp.expand_dims(_host_int(xp, kpos, dev), axis=-2)  # (G, 1, Rb)
-                apos_x = xp.expand_dims(_host_int(xp, apos, dev), axis=-1)  # (G, b, 1)
-                reach = code_x >= 1
-                if layout.window is not None:
-                    allowed = allowed | (reach & (kpos_x >= apos_x - left)
-                                         & (kpos_x <= apos_x + right))
-                if gq is not None:
-                    gq_x = xp.expand_dims(_host_int(xp, gq, dev), axis=-1) > 0
-                    allowed = allowed | (reach & gq_x)
-                if causal:
-                    allowed = allowed & (kpos_x <= apos_x)
+            allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
             if key_mask is not None:
                 kmc = xp.take(km, idx_x, axis=km.ndim - 2)
                 kmc = xp.reshape(kmc, (*kmc.shape[:-2], g, 1, r * b))

@@ -143,6 +143,8 @@ class TestPatterns:
                 m = lay.dense_mask()
                 i, j = np.arange(N)[:, None], np.arange(N)[None, :]
                 assert not (m & ~lay.support[i // b, j // b]).any(), name
+                assert lay.count_allowed(causal=causal) == (m & (j <= i if causal else m)).sum()
+                assert lay.count_computed() >= m.sum()
         lay = local_layout(4096, window=16, block_size=16)
         assert lay.support.sum(axis=1).max() <= 4  # (16 + 2*16) / 16 + 1 blocks
 
