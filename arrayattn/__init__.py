@@ -9,6 +9,7 @@ from .exact import softmax_attention
 from .linformer import linformer_attention, linformer_projection
 from .sparse import (BlockLayout, bigbird_layout, block_layout, fixed_layout, local_attention,
                      local_layout, longformer_layout, sparse_attention, strided_layout)
+from .pooling import pooled_spans, pooling_attention
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,5 @@ __all__ = [
     "linformer_attention", "linformer_projection",
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
+    "pooling_attention", "pooled_spans",
 ]

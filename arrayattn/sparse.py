@@ -81,6 +81,14 @@ class BlockLayout:
         Tokens (``n == s``) that see every key and that every query sees.
     causal : bool
         Whether the pattern also requires ``j <= i + s - n``.
+    key_start, key_end : numpy.ndarray of int, optional
+        For keys that stand for an interval of positions (pooled keys): key ``j``
+        covers positions ``key_start[j] ... key_end[j]`` (non-decreasing). The window
+        then requires the whole interval inside the band and causality its end
+        ``<= i'``. ``None``: key ``j`` is position ``j``.
+    query_offset : int, optional
+        Position of query 0 (default ``s - n``, end-aligned); query ``i`` sits at
+        ``i' = i + query_offset``.
     pattern : str
         The builder's name; ``params`` its arguments (for reports).
     """
@@ -92,6 +100,9 @@ class BlockLayout:
     window: tuple | None = None
     global_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     causal: bool = False
+    key_start: np.ndarray | None = None
+    key_end: np.ndarray | None = None
+    query_offset: int | None = None
     pattern: str = "custom"
     params: dict = field(default_factory=dict)
 
@@ -116,12 +127,35 @@ class BlockLayout:
         object.__setattr__(self, "global_tokens", g)
         if self.window is not None:
             object.__setattr__(self, "window", tuple(int(w) for w in self.window))
+        if (self.key_start is None) != (self.key_end is None):
+            raise ValueError("give both key_start and key_end, or neither")
+        if self.key_start is not None:
+            ks = np.array(self.key_start, dtype=np.int64).reshape(-1)
+            ke = np.array(self.key_end, dtype=np.int64).reshape(-1)
+            if ks.shape != (self.s,) or ke.shape != (self.s,) or (ke < ks).any() or (
+                    np.diff(ks) < 0).any() or (np.diff(ke) < 0).any():
+                raise ValueError(
+                    f"key_start and key_end must be non-decreasing integer arrays of "
+                    f"length s={self.s} with key_start <= key_end"
+                )
+            if g.size:
+                raise ValueError("global_tokens cannot be combined with key intervals")
+            ks.setflags(write=False)
+            ke.setflags(write=False)
+            object.__setattr__(self, "key_start", ks)
+            object.__setattr__(self, "key_end", ke)
 
     # -- derived host data ------------------------------------------------------
     @property
     def shift(self) -> int:
-        """``s - n``: query ``i`` sits at key position ``i + s - n`` (end-aligned)."""
-        return self.s - self.n
+        """Query ``i`` sits at position ``i + shift`` (default ``s - n``: end-aligned)."""
+        return self.s - self.n if self.query_offset is None else int(self.query_offset)
+
+    def _key_span(self, j):
+        """First and last position covered by keys ``j`` (an integer array, ``< s``)."""
+        if self.key_start is None:
+            return j, j
+        return self.key_start[j], self.key_end[j]
 
     @cached_property
     def support(self) -> np.ndarray:
@@ -132,18 +166,22 @@ class BlockLayout:
         sup = self.blocks.copy()
         qlo = np.arange(nqb) * b + sh                        # first query position
         qhi = np.minimum(np.arange(nqb) * b + b - 1, self.n - 1) + sh
-        klo = np.arange(nkb) * b
-        khi = np.minimum(klo + b - 1, self.s - 1)
+        # Spans are non-decreasing: a key block's smallest end is its first key's, its
+        # largest start its last key's.
+        first_end = self._key_span(np.arange(nkb) * b)[1]
+        last_start = self._key_span(np.minimum(np.arange(nkb) * b + b - 1, self.s - 1))[0]
         if self.window is not None:
             left, right = self.window
-            lo, hi = qlo - left, qhi + right
-            sup |= (klo[None, :] <= hi[:, None]) & (khi[None, :] >= lo[:, None])
+            # Some key j of the block and query i' of the block with
+            # start_j >= i' - left and end_j <= i' + right.
+            sup |= ((first_end[None, :] - right <= qhi[:, None])
+                    & (last_start[None, :] + left >= qlo[:, None]))
         if self.global_tokens.size:
             gb = np.unique(self.global_tokens // b)
             sup[gb, :] = True
             sup[:, gb] = True
         if self.causal:
-            sup &= klo[None, :] <= qhi[:, None]
+            sup &= first_end[None, :] <= qhi[:, None]
         sup.setflags(write=False)
         return sup
 
@@ -195,16 +233,17 @@ class BlockLayout:
         i = np.arange(self.n)[:, None]
         j = np.arange(self.s)[None, :]
         pos = i + self.shift
+        start, end = self._key_span(j)
         m = self.blocks[i // b, j // b]
         if self.window is not None:
             left, right = self.window
-            m = m | ((j >= pos - left) & (j <= pos + right))
+            m = m | ((start >= pos - left) & (end <= pos + right))
         if self.global_tokens.size:
             g = np.zeros(self.n, dtype=bool)
             g[self.global_tokens] = True
             m = m | g[:, None] | g[None, :]
         if self.causal:
-            m = m & (j <= pos)
+            m = m & (end <= pos)
         if xp is None:
             return m
         return xp_from_host(xp, m.astype(np.float64), dtype=xp.float32, device=device) > 0.5
@@ -526,9 +565,10 @@ def _host_int(xp, a, device):
 
 
 def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
-    """Host description of one chunk: key positions ``(G, R*b)``, slot codes
-    (0 = padding, 1 = reachable, 2 = allowed by a whole block or a global key),
-    query positions ``(G, b)`` and, for global queries, a flag ``(G, b)``."""
+    """Host description of one chunk: first and last positions of the gathered keys
+    ``(G, R*b)`` (the same array unless keys are intervals), slot codes (0 = padding,
+    1 = reachable, 2 = allowed by a whole block or a global key), query positions
+    ``(G, b)`` and, for global queries, a flag ``(G, b)``."""
     b = layout.block_size
     ar = np.arange(b)
     kpos = (idx[:, :, None] * b + ar).reshape(idx.shape[0], -1)
@@ -546,28 +586,32 @@ def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
     code = np.where(kvalid, np.where(full, 2, 1), 0)
     # A row can skip the token-level rules when every slot is already decided.
     needs_rules = layout.window is not None or gq is not None or causal
-    return kpos, code, qpos + layout.shift, gq, needs_rules
+    kstart, kend = layout._key_span(np.minimum(kpos, layout.s - 1))
+    return kstart, kend, code, qpos + layout.shift, gq, needs_rules
 
 
 def _tile_mask(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, device):
     """The pattern's boolean ``(G, b, R*b)`` mask over the gathered tiles of query blocks
     ``rows`` and key blocks ``idx`` (no key mask), built on ``device`` from ``O(G R b)``
     host integers. The one place the pattern's token-level rules are applied."""
-    kpos, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid, causal=causal)
+    kstart, kend, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
+                                                             causal=causal)
     code_x = xp.expand_dims(_host_int(xp, code, device), axis=-2)          # (G, 1, Rb)
     allowed = code_x == 2
     if not needs_rules:
         return allowed
-    kpos_x = xp.expand_dims(_host_int(xp, kpos, device), axis=-2)          # (G, 1, Rb)
+    kend_x = xp.expand_dims(_host_int(xp, kend, device), axis=-2)          # (G, 1, Rb)
+    kstart_x = kend_x if kstart is kend else xp.expand_dims(_host_int(xp, kstart, device),
+                                                            axis=-2)
     apos_x = xp.expand_dims(_host_int(xp, apos, device), axis=-1)          # (G, b, 1)
     reach = code_x >= 1
     if layout.window is not None:
         left, right = layout.window
-        allowed = allowed | (reach & (kpos_x >= apos_x - left) & (kpos_x <= apos_x + right))
+        allowed = allowed | (reach & (kstart_x >= apos_x - left) & (kend_x <= apos_x + right))
     if gq is not None:
         allowed = allowed | (reach & (xp.expand_dims(_host_int(xp, gq, device), axis=-1) > 0))
     if causal:
-        allowed = allowed & (kpos_x <= apos_x)
+        allowed = allowed & (kend_x <= apos_x)
     return allowed
 
 

@@ -1,0 +1,207 @@
+"""Poolingformer: sliding-window attention plus attention to pooled keys of a larger window.
+
+Zhang et al. 2021, "Poolingformer: Long Document Modeling with Pooling Attention"
+(ICML 2021, arXiv:2105.04371). Both levels run on the block-sparse machinery of
+:mod:`arrayattn.sparse`: the first is a :func:`~arrayattn.local_layout` band, the second a
+band over pooled keys, each of which stands for the interval of positions it pools.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._validate import (check_choice, check_key_mask, check_positive_int, check_qkv,
+                        check_same_array_kind, check_scale)
+from .registry import Variant, register
+from .sparse import (BlockLayout, _block_sparse, _check_window, _host_int, _nblocks,
+                     local_layout)
+
+__all__ = ["pooling_attention", "pooled_spans"]
+
+
+def pooled_spans(s: int, pool_size: int, pool_stride: int | None = None):
+    """Intervals pooled into the compressed keys: ``(start, end)`` host int arrays.
+
+    Pooled key ``t`` covers positions ``t*stride ... min(t*stride + pool_size, s) - 1``
+    for ``t = 0 ... m-1``, ``m = ceil(max(s - pool_size, 0) / stride) + 1``: every
+    position is covered when ``stride <= pool_size``; the last interval may be short.
+
+    Examples
+    --------
+    >>> from arrayattn import pooled_spans
+    >>> start, end = pooled_spans(10, 4, 3)
+    >>> start.tolist(), end.tolist()
+    ([0, 3, 6, 9], [3, 6, 9, 9])
+    """
+    s = check_positive_int("s", s)
+    kappa = check_positive_int("pool_size", pool_size)
+    zeta = kappa if pool_stride is None else check_positive_int("pool_stride", pool_stride)
+    m = -(-max(s - kappa, 0) // zeta) + 1
+    start = np.arange(m, dtype=np.int64) * zeta
+    end = np.minimum(start + kappa, s) - 1
+    return start, end
+
+
+def _pool(xp, x, start, end, kind: str, key_mask, *, device):
+    """Pool ``x (..., s, c)`` over the intervals: ``(..., m, c)`` and which pooled
+    rows saw at least one real key ``(..., m)`` (``None`` when all did)."""
+    kappa = int((end - start).max()) + 1
+    offs = start[:, None] + np.arange(kappa)                       # (m, kappa)
+    inside = offs <= end[:, None]
+    idx = np.minimum(offs, x.shape[-2] - 1).reshape(-1)
+    m = start.size
+    g = xp.take(x, _host_int(xp, idx, device), axis=x.ndim - 2)
+    g = xp.reshape(g, (*x.shape[:-2], m, kappa, x.shape[-1]))      # (..., m, kappa, c)
+    keep = xp.expand_dims(_host_int(xp, inside, device), axis=-1) > 0   # (m, kappa, 1)
+    if key_mask is not None:
+        kmg = xp.take(key_mask, _host_int(xp, idx, device), axis=key_mask.ndim - 1)
+        kmg = xp.reshape(kmg, (*key_mask.shape[:-1], m, kappa, 1))
+        keep = keep & kmg
+    count = xp.sum(xp.astype(keep, x.dtype), axis=-2)              # (..., m, 1)
+    zero = xp.zeros((), dtype=x.dtype, device=device)
+    if kind == "mean":
+        pooled = xp.sum(xp.where(keep, g, zero), axis=-2) / xp.where(count > 0, count, 1.0)
+    else:
+        pooled = xp.max(xp.where(keep, g, -xp.inf), axis=-2)
+        pooled = xp.where(count > 0, pooled, zero)
+    valid = None
+    if key_mask is not None:
+        valid = count[..., 0] > 0
+    return pooled, valid
+
+
+def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
+                      pool_stride=None, pool="mean", q2=None, k2=None, v2=None, scale=None,
+                      causal=False, key_mask=None, block_size=64):
+    r"""Poolingformer's two-level attention (Zhang et al. 2021).
+
+    .. math::
+
+        O_i = \underbrace{\sum_{|j - i'| \le w_1} \operatorname{softmax}_j(\mathrm{scale}\;
+              q_i \cdot k_j)\, v_j}_{y_i:\ \text{level 1, sliding window}}
+            \;+\; \underbrace{\sum_{t:\ P_t \subseteq [i' - w_2,\, i' + w_2]}
+              \operatorname{softmax}_t(\mathrm{scale}_2\; q^{(2)}_i \cdot \bar k_t)\,
+              \bar v_t}_{z_i:\ \text{level 2, pooled}}
+
+    where ``P_t`` is the interval of :func:`pooled_spans` (``pool_size`` κ, ``pool_stride``
+    ζ) and ``k̄_t = Pool(k^{(2)}_{P_t})``, ``v̄_t = Pool(v^{(2)}_{P_t})`` (mean or max over
+    the real keys of the interval). Each level is a separately normalised exact softmax;
+    the paper adds the two outputs (its residual connection around the layer is the
+    caller's). Level 2 sees only pooled keys whose whole interval lies in the larger
+    window ``w_2`` (and, when causal, ends at or before ``i'``), so no future key ever
+    enters a past query's pooled keys. Both levels run block-sparse: time and memory
+    ``O(n (w_1 + w_2/ζ + 2b) d)``.
+
+    Parameters
+    ----------
+    q, k, v : arrays ``(..., n, d)``, ``(..., s, d)``, ``(..., s, dv)``
+        Level-1 queries, keys, values (also level 2's unless ``q2``/``k2``/``v2``).
+    window : int or (int, int)
+        ``w_1``: keys on each side of the first-level window (as :func:`local_attention`).
+    pool_window : int or (int, int)
+        ``w_2``: positions on each side of the second-level window.
+    pool_size, pool_stride : int
+        Kernel κ and stride ζ of the pooling (``pool_stride=None`` means ζ = κ).
+    pool : {"mean", "max"}
+        Element-wise mean or max over the real keys of each interval. (Max pooling is
+        not linear in ``v``; mean pooling is.)
+    q2, k2, v2 : arrays, optional
+        Level-2 queries ``(..., n, d2)``, keys ``(..., s, d2)`` and values
+        ``(..., s, dv)``. In the paper they are learned projections (of the first
+        level's output, in its stacked form); arrayattn has no weights, so the caller
+        passes them. ``None`` uses ``q``, ``k``, ``v``.
+    scale : float, optional
+        Both levels; ``None`` means ``1/sqrt(d)`` (``1/sqrt(d2)`` for level 2).
+    causal : bool
+        Level 1 sees ``i' - w_1 ... i'``; level 2 pooled keys whose interval ends by ``i'``.
+    key_mask : boolean array ``(..., s)``, optional
+        Padded keys are left out of level 1 and of the pooling; a pooled key with no
+        real key is masked.
+    block_size : int
+        Granularity of the block-sparse computation (not of the result).
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+        ``y + z``; rows of the implied matrix sum to 2 where both levels see a key.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import local_attention, pooling_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 64, 8)) for _ in range(3))
+    >>> out = pooling_attention(q, k, v, window=4, pool_window=16, pool_size=4)
+    >>> out.shape
+    (2, 64, 8)
+    >>> bool(np.allclose(pooling_attention(q, k, np.ones((2, 64, 1)), window=4,
+    ...                                    pool_window=16, pool_size=4), 2.0))
+    True
+    """
+    p = check_qkv(q, k, v)
+    check_key_mask(p, key_mask, q)
+    pool = check_choice("pool", pool, {"mean", "max"})
+    w1 = _check_window(window)
+    w2 = _check_window(pool_window)
+    kappa = check_positive_int("pool_size", pool_size)
+    zeta = kappa if pool_stride is None else check_positive_int("pool_stride", pool_stride)
+    b = check_positive_int("block_size", block_size)
+    xp, dev, wd = p.xp, p.device, p.work_dtype
+    q2 = q if q2 is None else q2
+    k2 = k if k2 is None else k2
+    v2 = v if v2 is None else v2
+    p2 = check_qkv(q2, k2, v2, names=("q2", "k2", "v2"))
+    check_same_array_kind(xp, "q", q, "q2", q2)
+    if (p2.n, p2.s, p2.dv) != (p.n, p.s, p.dv) or p2.dtype != p.dtype:
+        raise ValueError(
+            f"q2, k2, v2 must have q's n={p.n}, k's s={p.s}, v's dv={p.dv} and dtype "
+            f"{p.dtype}; got shapes q2 {tuple(q2.shape)}, k2 {tuple(k2.shape)}, "
+            f"v2 {tuple(v2.shape)} of dtype {p2.dtype}"
+        )
+    if p2.batch != p.batch:
+        raise ValueError(f"q2/k2/v2 batch {p2.batch} differs from q/k/v batch {p.batch}")
+    s1 = check_scale(scale, p.d)
+    s2 = check_scale(scale, p2.d)
+
+    # Level 1: the sliding window.
+    lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
+    wq = xp.astype(q, wd, copy=False) * s1
+    y = _block_sparse(p, wq, xp.astype(k, wd, copy=False), xp.astype(v, wd, copy=False),
+                      lay1, causal=causal, key_mask=key_mask)
+
+    # Level 2: pooled keys/values, each standing for its interval of positions.
+    start, end = pooled_spans(p.s, kappa, zeta)
+    kbar, valid = _pool(xp, xp.astype(k2, wd, copy=False), start, end, pool, key_mask,
+                        device=dev)
+    vbar, _ = _pool(xp, xp.astype(v2, wd, copy=False), start, end, pool, key_mask,
+                    device=dev)
+    m = start.size
+    left, right = w2
+    lay2 = BlockLayout(n=p.n, s=m, block_size=b,
+                       blocks=np.zeros((_nblocks(p.n, b), _nblocks(m, b)), dtype=bool),
+                       window=(left, 0 if causal else right), causal=bool(causal),
+                       key_start=start, key_end=end, query_offset=p.s - p.n,
+                       pattern="pooled")
+    pm = type(p2)(xp=xp, n=p.n, s=m, d=p2.d, dv=p.dv, batch=p.batch, dtype=p.dtype,
+                  work_dtype=wd, device=dev)
+    z = _block_sparse(pm, xp.astype(q2, wd, copy=False) * s2, kbar, vbar, lay2,
+                      causal=causal, key_mask=valid)
+    return xp.astype(y + z, p.dtype, copy=False)
+
+
+register(Variant(
+    name="poolingformer",
+    fn=pooling_attention,
+    family="sparse",
+    exact=False,
+    causal=True,
+    key_mask=True,
+    normalized=False,
+    defaults={"window": 8, "pool_window": 32, "pool_size": 4, "pool": "mean",
+              "block_size": 16},
+    parameter="pool_window",
+    complexity="O(n (w1 + w2/stride + 2b) d) time and memory",
+    citation="Zhang et al. 2021, Poolingformer: Long Document Modeling with Pooling Attention",
+    notes=("Output = sliding-window attention + attention to mean-pooled keys/values of "
+           "a larger window (separately normalised, so rows of A sum to 2). Level-2 "
+           "projections are the caller's (q2=, k2=, v2=)."),
+))
