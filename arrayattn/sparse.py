@@ -32,7 +32,6 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 

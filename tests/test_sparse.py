@@ -330,3 +330,18 @@ class TestSparseAttention:
         km = r.random((2, n)) < 0.7
         out, ref, atol = _run(be, "float64", q, k, v, lay, key_mask=km)
         xp_assert_close(out, ref, rtol=0, atol=atol)
+
+
+def test_jax_jit_traces_the_block_sparse_path(rng):
+    # The layout and the gather plan are host data: the path traces under jax.jit
+    # (compiled once for a shape) and gives the eager result.
+    be = get_backend("jax")
+    import jax
+
+    q, k, v = (be.asarray(x) for x in make_qkv(rng, batch=(2,), n=30, d=8))
+    lay = bigbird_layout(30, block_size=4, num_random_blocks=1, seed=2)
+    km = be.asarray(rng.random((2, 30)) < 0.8)
+    eager = sparse_attention(q, k, v, layout=lay, key_mask=km, causal=True)
+    jitted = jax.jit(lambda a, b, c, m: sparse_attention(a, b, c, layout=lay, key_mask=m,
+                                                         causal=True))(q, k, v, km)
+    xp_assert_close(jitted, eager, rtol=0, atol=1e-14)
