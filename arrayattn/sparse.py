@@ -614,6 +614,42 @@ def _tile_mask(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, devic
     return allowed
 
 
+def _attend_slots(xp, p, layout, qc, kb, vb, km, rows, idx, valid, *, causal):
+    """Attention of query blocks ``rows`` (gathered in ``qc``) over key blocks ``idx``
+    ``(G, R)``: the output ``(..., G, b, dv)`` and log-sum-exp ``(..., G, b)``."""
+    b, dev = layout.block_size, p.device
+    g, r = idx.shape
+    idx_x = _host_int(xp, idx.reshape(-1), dev)
+    kc = xp.take(kb, idx_x, axis=kb.ndim - 3)
+    vc = xp.take(vb, idx_x, axis=vb.ndim - 3)
+    kc = xp.reshape(kc, (*kc.shape[:-3], g, r * b, p.d))
+    vc = xp.reshape(vc, (*vc.shape[:-3], g, r * b, p.dv))
+    allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
+    if km is not None:
+        kmc = xp.take(km, idx_x, axis=km.ndim - 2)
+        allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-2], g, 1, r * b))
+    scores = qc @ xp.matrix_transpose(kc)                              # (..., G, b, Rb)
+    return attend(xp, scores, vc, allowed, return_lse=True)
+
+
+def _merge(xp, out_a, lse_a, out_b, lse_b):
+    """Merge two softmax attentions over disjoint key sets by their log-sum-exps.
+
+    ``out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b})`` computed
+    relative to the larger of the two; empty parts (``lse = -inf``) get weight 0 exactly,
+    so a part with no allowed key never changes the other bit for bit.
+    """
+    m = xp.maximum(lse_a, lse_b)
+    m = xp.where(m == -xp.inf, 0.0, m)
+    wa, wb = xp.exp(lse_a - m), xp.exp(lse_b - m)
+    total = wa + wb
+    safe = xp.where(total > 0, total, 1.0)
+    out = (out_a * xp.expand_dims(wa / safe, axis=-1)
+           + out_b * xp.expand_dims(wb / safe, axis=-1))
+    lse = xp.where(total > 0, xp.log(safe) + m, -xp.inf)
+    return out, lse
+
+
 def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
     """The gather-and-attend core. ``q`` is already scaled; all in the working dtype."""
     xp, dev, wd = p.xp, p.device, p.work_dtype
@@ -633,29 +669,25 @@ def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
             km = xp.concat([km, pad], axis=-1)
         km = xp.reshape(km, (*km.shape[:-1], nkb, b))
     batch = math.prod(p.batch)
+    per_slot = batch * (b * b + b * (p.d + p.dv))    # one key block of one query block
     outs, order = [], []
     for rows_all, idx_all, valid_all in layout.plan:
         r = idx_all.shape[1]
-        per_block = batch * (b * r * b + r * b * (p.d + p.dv) + b * (p.d + p.dv))
-        step = max(1, _CHUNK_ELEMENTS // per_block)
+        step = max(1, _CHUNK_ELEMENTS // (r * per_slot + batch * b * (p.d + p.dv)))
+        # Rows too long for the budget (global rows reach every block) are split over
+        # their key blocks too, and the partial softmaxes merged by log-sum-exp.
+        span = min(r, max(1, _CHUNK_ELEMENTS // per_slot))
         for c0 in range(0, rows_all.size, step):
             rows = rows_all[c0:c0 + step]
-            idx, valid = idx_all[c0:c0 + step], valid_all[c0:c0 + step]
-            g = rows.size
-            rows_x = _host_int(xp, rows, dev)
-            idx_x = _host_int(xp, idx.reshape(-1), dev)
-            qc = xp.take(qb, rows_x, axis=qb.ndim - 3)
-            kc = xp.take(kb, idx_x, axis=kb.ndim - 3)
-            vc = xp.take(vb, idx_x, axis=vb.ndim - 3)
-            kc = xp.reshape(kc, (*kc.shape[:-3], g, r * b, p.d))
-            vc = xp.reshape(vc, (*vc.shape[:-3], g, r * b, p.dv))
-            allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
-            if key_mask is not None:
-                kmc = xp.take(km, idx_x, axis=km.ndim - 2)
-                kmc = xp.reshape(kmc, (*kmc.shape[:-2], g, 1, r * b))
-                allowed = allowed & kmc
-            scores = qc @ xp.matrix_transpose(kc)                      # (..., G, b, Rb)
-            outs.append(attend(xp, scores, vc, allowed))               # (..., G, b, dv)
+            qc = xp.take(qb, _host_int(xp, rows, dev), axis=qb.ndim - 3)
+            acc = lse = None
+            for r0 in range(0, r, span):
+                idx = idx_all[c0:c0 + step, r0:r0 + span]
+                valid = valid_all[c0:c0 + step, r0:r0 + span]
+                o, l = _attend_slots(xp, p, layout, qc, kb, vb, km if key_mask is not None
+                                     else None, rows, idx, valid, causal=causal)
+                acc, lse = (o, l) if acc is None else _merge(xp, acc, lse, o, l)
+            outs.append(acc)                                           # (..., G, b, dv)
             order.append(rows)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)
     perm = np.concatenate(order)
