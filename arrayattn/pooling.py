@@ -30,7 +30,9 @@ def pooled_spans(s: int, pool_size: int, pool_stride: int | None = None):
     >>> from arrayattn import pooled_spans
     >>> start, end = pooled_spans(10, 4, 3)
     >>> start.tolist(), end.tolist()
-    ([0, 3, 6, 9], [3, 6, 9, 9])
+    ([0, 3, 6], [3, 6, 9])
+    >>> [e.tolist() for e in pooled_spans(11, 4, 3)]  # the last interval is short
+    [[0, 3, 6, 9], [3, 6, 9, 10]]
     """
     s = check_positive_int("s", s)
     kappa = check_positive_int("pool_size", pool_size)

@@ -74,11 +74,13 @@ def _atol(dtype, q, k, v):
     return 2 * attention_atol(dtype, q, k, v) + 8 * float(np.finfo(dtype).eps) * np.abs(v).max()
 
 
+# (options, (n, s)): self-attention and n != s (queries end-aligned), s = 37 not a
+# multiple of the strides.
 CASES = {
-    "mean": dict(window=3, pool_window=12, pool_size=4),
-    "max_overlap": dict(window=(2, 5), pool_window=(9, 4), pool_size=4, pool_stride=3,
-                        pool="max"),
-    "mean_ragged": dict(window=1, pool_window=20, pool_size=5, pool_stride=2),
+    "mean": (dict(window=3, pool_window=12, pool_size=4), (37, 37)),
+    "max_overlap": (dict(window=(2, 5), pool_window=(9, 4), pool_size=4, pool_stride=3,
+                         pool="max"), (21, 37)),
+    "mean_ragged": (dict(window=1, pool_window=20, pool_size=5, pool_stride=2), (30, 37)),
 }
 
 
@@ -86,17 +88,17 @@ class TestPoolingAttention:
     @pytest.mark.parametrize("causal", [False, True])
     @pytest.mark.parametrize("case", list(CASES))
     def test_matches_oracle(self, backend, rng, case, causal):
-        opts = dict(CASES[case], causal=causal, block_size=8)
-        for n, s in ((37, 37), (21, 37)):
-            q, k, v = (round_to(x, "float32")
-                       for x in make_qkv(rng, batch=(2,), n=n, s=s, d=32, dv=5, norm=8.0))
-            km = rng.random((2, s)) < 0.8
-            out = pooling_attention(*(backend.asarray(x, "float32") for x in (q, k, v)),
-                                    key_mask=backend.asarray(km), **opts)
-            ref = pooling_oracle(q, k, v, key_mask=km,
-                                 **{o: val for o, val in opts.items() if o != "block_size"})
-            xp_assert_close(out, backend.asarray(ref, "float32"), rtol=0,
-                            atol=_atol("float32", q, k, v))
+        base, (n, s) = CASES[case]
+        opts = dict(base, causal=causal, block_size=8)
+        q, k, v = (round_to(x, "float32")
+                   for x in make_qkv(rng, batch=(2,), n=n, s=s, d=32, dv=5, norm=8.0))
+        km = rng.random((2, s)) < 0.8
+        out = pooling_attention(*(backend.asarray(x, "float32") for x in (q, k, v)),
+                                key_mask=backend.asarray(km), **opts)
+        ref = pooling_oracle(q, k, v, key_mask=km,
+                             **{o: val for o, val in opts.items() if o != "block_size"})
+        xp_assert_close(out, backend.asarray(ref, "float32"), rtol=0,
+                        atol=_atol("float32", q, k, v))
 
     def test_float64_and_second_level_inputs(self, backend, rng):
         q, k, v = make_qkv(rng, batch=(2,), n=29, d=16, dv=4, norm=6.0)
