@@ -140,28 +140,80 @@ def _validate(args) -> int:
 
 
 def _report(args) -> int:
-    from .report import Workload, format_table, run_report
+    from ._backends import BackendUnavailable, get_array_backend
+    from .registry import get_variant
+    from .report import (CASES, Progress, Workload, format_table, plot_report, run_report,
+                         run_sweeps, sweep_steps, write_json)
 
     w = Workload(batch=args.batch, heads=args.heads, n=args.n, d=args.d, dtype=args.dtype,
-                 seed=args.seed)
-    names = None if not args.variants else args.variants.split(",")
-    print(f"arrayattn report: batch={w.batch} heads={w.heads} n={w.n} d={w.d} "
-          f"dtype={w.dtype} seed={w.seed} backend=numpy", file=sys.stderr)
-    print(format_table(run_report(w, names)))
+                 seed=args.seed, repeats=args.repeats, backend=args.backend)
+    names = None if not args.variants else [x.strip() for x in args.variants.split(",")
+                                            if x.strip()]
+    try:
+        for name in names or ():
+            get_variant(name)
+        for label, value in (("--n", w.n), ("--d", w.d), ("--heads", w.heads),
+                             ("--batch", w.batch), ("--repeats", w.repeats)):
+            if value < 1:
+                raise ValueError(f"{label} must be a positive integer; got {value}")
+        be = get_array_backend(w.backend, w.dtype)
+        if args.plot:
+            import importlib
+            try:
+                importlib.import_module("matplotlib")
+            except ImportError:
+                raise ValueError("--plot needs matplotlib (pip install 'arrayattn[plot]')") \
+                    from None
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"arrayattn report: error: {exc}", file=sys.stderr)
+        return 2
+    from .registry import variants
+    count = len(names) if names else len(variants())
+    print(f"arrayattn report: {count} variant(s); batch={w.batch} heads={w.heads} n=s={w.n} "
+          f"d=dv={w.d} dtype={w.dtype} seed={w.seed} backend={w.backend} ({be.device}); "
+          f"cases: {', '.join(CASES)}", file=sys.stderr)
+    total = len(CASES) * count + (sweep_steps(w, names) if args.plot else 0)
+    prog = Progress(total, enabled=not args.quiet)
+    rows = run_report(w, names, progress=prog)
+    sweeps = run_sweeps(w, names, progress=prog) if args.plot else None
+    print(format_table(rows))
+    if args.json:
+        write_json(args.json, w, rows, sweeps)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot_report(rows, sweeps, args.plot, w)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="arrayattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="run every registered variant on a default workload")
-    rep.add_argument("--n", type=int, default=1024)
-    rep.add_argument("--d", type=int, default=64)
-    rep.add_argument("--heads", type=int, default=4)
-    rep.add_argument("--batch", type=int, default=1)
-    rep.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    rep = sub.add_parser(
+        "report", help="run every registered variant on a default workload",
+        description="Run every registered variant on a built-in workload (q, k, v of shape "
+        "(batch, heads, n, d), in a 'gaussian' case and a 'sharp' case with q, k rows of "
+        "norm 8) and print one row per variant and case: relative error of the output vs "
+        "exact float64 attention, max row L1 error of the implied matrix (first head, "
+        "n <= 2048), worst row-sum deviation, median time, peak memory, approximation "
+        "parameter.")
+    from ._backends import BACKENDS, DTYPES
+    rep.add_argument("--backend", default="numpy", choices=BACKENDS)
+    rep.add_argument("--n", type=int, default=1024, help="tokens (n = s); default 1024")
+    rep.add_argument("--d", type=int, default=64, help="head dimension (d = dv); default 64")
+    rep.add_argument("--heads", type=int, default=2, help="default 2")
+    rep.add_argument("--batch", type=int, default=1, help="default 1")
+    rep.add_argument("--dtype", default="float32", choices=DTYPES)
     rep.add_argument("--seed", type=int, default=0)
-    rep.add_argument("--variants", default="", help="comma-separated registry names")
+    rep.add_argument("--repeats", type=int, default=3, help="timed calls per variant")
+    rep.add_argument("--variants", default="", help="comma-separated registry names "
+                     "(default: all registered)")
+    rep.add_argument("--json", metavar="FILE", help="write the raw numbers as JSON")
+    rep.add_argument("--plot", metavar="FILE.png", help="also sweep each variant's "
+                     "approximation parameter and n, and draw error vs approximation size "
+                     "and time vs n (needs matplotlib)")
+    rep.add_argument("--quiet", action="store_true", help="no progress bar")
     rep.set_defaults(func=_report)
     val = sub.add_parser(
         "validate", help="compare another implementation's output with the reference",
