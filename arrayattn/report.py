@@ -173,10 +173,27 @@ def _select(names):
     return [get_variant(n) for n in names]
 
 
+def parameter_default(rec):
+    """The value of ``rec.parameter`` in a uniform call: the record's default, else the
+    function's signature default (``None`` when neither says)."""
+    if rec.parameter is None:
+        return None
+    if rec.parameter_value is not None:
+        return rec.parameter_value
+    import inspect
+    try:
+        par = inspect.signature(rec.fn).parameters.get(rec.parameter)
+    except (TypeError, ValueError):
+        return None
+    if par is None or par.default is inspect.Parameter.empty:
+        return None
+    return par.default
+
+
 def _param_label(rec, value=None):
     if rec.parameter is None:
         return ""
-    value = rec.parameter_value if value is None else value
+    value = parameter_default(rec) if value is None else value
     return f"{rec.parameter}={value}"
 
 
@@ -258,7 +275,7 @@ SCALING_FACTORS = (0.25, 0.5, 1.0, 2.0)
 
 def sweep_values(rec, n: int):
     """Values of ``rec.parameter`` around its default (x1/4 ... x2, within 1..n)."""
-    p0 = rec.parameter_value
+    p0 = parameter_default(rec)
     if rec.exact or not isinstance(p0, int) or isinstance(p0, bool) or p0 <= 0:
         return []
     return sorted({min(n, max(1, int(round(p0 * f)))) for f in SWEEP_FACTORS})

@@ -114,8 +114,9 @@ def bench_backend(backend, names, ns, args, log, measured=()):
     memory of the same variant where this backend cannot measure it (torch on the CPU).
     """
     be = get_array_backend(backend, args.dtype)
-    rate = matmul_rate(be, args.dtype)
-    log(f"[{backend}] matmul rate {rate / 1e9:.1f} GFLOP/s ({args.dtype}, 2048^3)")
+    rate = matmul_rate(be, args.dtype, args.matmul_size)
+    log(f"[{backend}] matmul rate {rate / 1e9:.1f} GFLOP/s ({args.dtype}, "
+        f"{args.matmul_size}^3)")
     recs = [arrayattn.get_variant(n) for n in names] + peers(backend)
     mem_limit = args.max_memory_gb * 2**30
     results = []
@@ -263,6 +264,8 @@ def main(argv=None) -> int:
                    help="skip a point predicted to take longer per call")
     p.add_argument("--max-memory-gb", type=float,
                    default=available_memory_bytes() / 2 / 2**30)
+    p.add_argument("--matmul-size", type=int, default=2048,
+                   help="size of the square product that measures the matmul rate")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--note", default="", help="a line printed under the machine (e.g. load)")
     p.add_argument("--update-readme", action="store_true")

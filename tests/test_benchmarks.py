@@ -35,7 +35,7 @@ def test_tiny_sweep_outputs(run, tmp_path, monkeypatch):
     monkeypatch.setattr(run, "HERE", str(tmp_path))  # the README it updates
     (tmp_path / "README.md").write_text(f"# B\n\n{run.MARK_BEGIN}\nold\n{run.MARK_END}\nkeep\n")
     out = tmp_path / "results"
-    code = run.main(["--backends", "numpy,torch", "--n", "32,64", "--repeats", "1",
+    code = run.main(["--backends", "numpy,torch", "--n", "32,64", "--repeats", "1", "--matmul-size", "256",
                      "--variants", "softmax,softmax_blockwise", "--out", str(out),
                      "--update-readme", "--note", "test run"])
     assert code == 0
@@ -56,7 +56,7 @@ def test_tiny_sweep_outputs(run, tmp_path, monkeypatch):
 
 
 def test_budget_skips_larger_n(run, tmp_path):
-    run.main(["--backends", "numpy", "--n", "32,64,128", "--repeats", "1", "--variants",
+    run.main(["--backends", "numpy", "--n", "32,64,128", "--repeats", "1", "--matmul-size", "256", "--variants",
               "softmax", "--out", str(tmp_path), "--max-seconds", "1e-9"])
     res = json.loads((tmp_path / "run.json").read_text())["results"]
     assert "seconds" in res[0]
@@ -65,6 +65,6 @@ def test_budget_skips_larger_n(run, tmp_path):
 
 
 def test_every_registered_variant_is_benchmarked_by_default(run, tmp_path):
-    run.main(["--backends", "numpy", "--n", "16", "--repeats", "1", "--out", str(tmp_path)])
+    run.main(["--backends", "numpy", "--n", "16", "--repeats", "1", "--matmul-size", "256", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "run.json").read_text())["results"]
     assert [r["variant"] for r in res] == [r.name for r in arrayattn.variants()]

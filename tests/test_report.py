@@ -91,6 +91,11 @@ class TestReportNumbers:
         rec = arrayattn.get_variant("toy_window")
         assert sweep_values(rec, 64) == [2, 4, 8, 16]
         assert sweep_values(arrayattn.get_variant("softmax_blockwise"), 64) == []  # exact
+        # a parameter whose default is in the function's signature, not in the record
+        sig_only = Variant(name="sig_only", fn=window_attention, family="test",
+                           causal=False, key_mask=False, complexity="", citation="",
+                           exact=False, parameter="window")
+        assert sweep_values(sig_only, 64) == [2, 4, 8, 16]
         sw = run_sweeps(w, ["softmax", "toy_window"])
         errs = [p["rel_error"] for p in sw["errors"] if p["case"] == "sharp"]
         assert len(errs) == 4 and errs == sorted(errs, reverse=True)  # wider band, smaller error
