@@ -66,6 +66,13 @@ class TestReportNumbers:
         q, k, v = make_inputs(Workload(n=16, d=32), "sharp")
         np.testing.assert_allclose(np.linalg.norm(q, axis=-1), 8.0)
         np.testing.assert_allclose(np.linalg.norm(k, axis=-1), 8.0)
+        def top_weight(q, k):
+            logits = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            return np.median((w / w.sum(-1, keepdims=True)).max(-1))
+        w = Workload(n=1024, d=64, heads=1)
+        assert top_weight(*make_inputs(w, "sharp")[:2]) > 0.3      # peaked
+        assert top_weight(*make_inputs(w, "gaussian")[:2]) < 0.05  # diffuse
         q, k, v = make_inputs(Workload(n=16, d=32), "gaussian")
         assert abs(q.std() - 1) < 0.1
 
@@ -78,6 +85,19 @@ class TestReportNumbers:
             # |o_i - o*_i| <= ||a_i - a*_i||_1 max|v|: the matrix error is the larger
             assert approx.matrix_error > 1e-2 and approx.row_sum_dev < 1e-5
             assert approx.parameter == "window=8"
+
+    def test_not_linear_in_v_has_no_matrix(self, monkeypatch):
+        """A record with ``linear_in_v=False`` (weights depend on v) gets no implied
+        matrix and no row sums, but its output error."""
+        class NotLinear(Variant):
+            linear_in_v = False
+        rec = NotLinear(name="toy_nonlinear", fn=window_attention, family="test",
+                        causal=False, key_mask=False, complexity="", citation="",
+                        exact=False)
+        monkeypatch.setitem(registry._REGISTRY, rec.name, rec)
+        rows = run_report(Workload(n=32, d=8, heads=1, repeats=1), ["toy_nonlinear"])
+        assert all(r.matrix_error is None and r.row_sum_dev is None and r.rel_error > 0
+                   for r in rows)
 
     def test_broken_variant_does_not_stop_the_report(self, toy_variants, capsys):
         code = main(["report", *SMALL, "--variants", "toy_broken,softmax", "--quiet"])
