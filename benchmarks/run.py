@@ -11,8 +11,9 @@ runs on q, k, v of shape (batch, heads, n, d) with N(0, 1) entries, for each n i
 
 * median wall time of ``--repeats`` calls after a warm-up call (one call when a call
   takes more than 10 s), the backend synchronised before the clock is read;
-* peak memory of the warm-up call (tracemalloc for NumPy, the CUDA allocator for torch on
-  a GPU; ``-`` where it cannot be measured);
+* peak memory of one call: tracemalloc for NumPy, the CUDA allocator for torch on a GPU,
+  otherwise (torch on the CPU, JAX) the growth of the process's peak resident set size
+  (``_measure.peak_rss_growth``, Linux);
 * the *exact-equivalent* fraction of the matmul rate: ``4 n s d batch heads / time``
   divided by the measured rate -- the FLOPs of exact attention's two products.  For exact
   variants it is the achieved fraction; for approximations, which do fewer FLOPs, a value
@@ -39,12 +40,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
 
 import arrayattn  # noqa: E402
 from arrayattn._backends import BackendUnavailable, get_array_backend  # noqa: E402
-from arrayattn.report import Workload, _timed, machine_info, make_inputs  # noqa: E402
+from arrayattn.report import Workload, _timed, make_inputs  # noqa: E402
+from _measure import machine, peak_rss_growth  # noqa: E402
 
 DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 MARK_BEGIN = "<!-- benchmark table: begin (written by benchmarks/run.py --update-readme) -->"
@@ -148,9 +151,16 @@ def bench_backend(backend, names, ns, args, log, measured=()):
                     del out
                     repeats = 1 if first > 10 else args.repeats
                     _, times, peak = _timed(be, rec, q, k, v, repeats)
+                    memory = be.memory
+                    if peak is None:  # torch on the CPU, JAX: growth of the peak RSS
+                        def call():
+                            res = rec(q, k, v)
+                            be.sync(res)
+                        peak, _ = peak_rss_growth(call)
+                        memory = "rss"
                     t = statistics.median(times)
                     flops = 4.0 * n * n * args.d * args.batch * args.heads
-                    point.update(seconds=t, times=times, peak_bytes=peak,
+                    point.update(seconds=t, times=times, peak_bytes=peak, memory=memory,
                                  exact_equiv_fraction=flops / t / rate)
                 except Exception as exc:  # a variant that cannot run this size
                     point["skipped"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
@@ -167,17 +177,20 @@ def bench_backend(backend, names, ns, args, log, measured=()):
     return rate, results
 
 
-def markdown(results, rates, ns, args, machine) -> str:
-    lines = [f"Machine: {machine['processor']}, {machine['cpu_count']} cores, "
-             f"{machine['platform']}; Python {machine['python']}, NumPy {machine['numpy']}"
-             + (f", torch {machine['torch']}" if "torch" in machine else "") + ".",
+def markdown(results, rates, ns, args, info) -> str:
+    load = info.get("load_average")
+    lines = [f"Machine: {info.get('cpu', info['machine'])}, {info['cpus']} cores; "
+             f"Python {info['python']}, NumPy {info['numpy']}"
+             + (f", torch {info['torch']}" if "torch" in info else "")
+             + (f"; load average at the end {load[0]:.1f}" if load else "") + ".",
              f"Workload: batch {args.batch}, {args.heads} head(s), n = s, d = dv = {args.d}, "
              f"{args.dtype}, N(0, 1) inputs, default options of each registry record. "
-             f"Run {machine['date']}."]
+             f"Run {info['date']}."]
     if args.note:
         lines.append(args.note)
     lines.append("")
-    lines.append("Each cell: median time, peak memory (`-`: not measurable for this backend), "
+    lines.append("Each cell: median time, peak memory of one call (NumPy: tracemalloc; "
+                 "torch on the CPU: growth of the process's peak RSS; `-`: not measured), "
                  "exact-equivalent fraction of the measured matmul rate "
                  "(4 n s d batch heads FLOPs / time / rate). `skip`: predicted over the "
                  "time or memory budget, or the variant raised (see run.json).")
@@ -291,13 +304,16 @@ def main(argv=None) -> int:
             log(f"[torch] {torch.get_num_threads()} threads")
         rates[backend], res = bench_backend(backend, names, ns, args, log, measured=results)
         results += res
-    machine = machine_info("torch" if "torch" in rates else "numpy")
-    machine["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info = machine()
+    if "torch" in rates:
+        import torch
+        info["torch"] = torch.__version__
+    info["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "run.json"), "w") as fh:
-        json.dump({"machine": machine, "settings": vars(args), "n": ns,
+        json.dump({"machine": info, "settings": vars(args), "n": ns,
                    "matmul_flops_per_s": rates, "results": results}, fh, indent=1)
-    table = markdown(results, rates, ns, args, machine)
+    table = markdown(results, rates, ns, args, info)
     with open(os.path.join(args.out, "run.md"), "w") as fh:
         fh.write(table)
     print(table)

@@ -48,6 +48,9 @@ def test_tiny_sweep_outputs(run, tmp_path, monkeypatch):
                for r in numpy_pts)
     if importlib.util.find_spec("torch"):
         assert ("torch", "peer:torch.sdpa", 64) in got
+        torch_pts = [r for r in data["results"] if r["backend"] == "torch"]
+        assert all(r["memory"] in ("rss", "cuda") and r["peak_bytes"] >= 0
+                   for r in torch_pts)
     md = (out / "run.md").read_text()
     assert "| softmax | " in md and "test run" in md
     assert (out / "run.png").read_bytes()[:4] == b"\x89PNG"
