@@ -357,6 +357,7 @@ def plot_report(rows, sweeps, path, w: Workload) -> None:
     names = list(dict.fromkeys(r.variant for r in rows))
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
     color = {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+    marker = {name: "osD^v<>"[(i // cmap.N) % 7] for i, name in enumerate(names)}
     for ax, case in zip(axes[:2], CASES):
         for name in names:
             pts = [p for p in sweeps["errors"]
@@ -365,9 +366,7 @@ def plot_report(rows, sweeps, path, w: Workload) -> None:
                 continue
             xs = [p["value"] for p in pts]
             ys = [max(p["rel_error"], 1e-17) for p in pts]
-            ax.plot(xs, ys, "o-", color=color[name])
-            ax.annotate(pts[0]["parameter"], (xs[-1], ys[-1]), fontsize=6,
-                        color=color[name], xytext=(3, 0), textcoords="offset points")
+            ax.plot(xs, ys, "-", marker=marker[name], color=color[name])
         for r in rows:  # exact variants: their error as a horizontal reference
             if r.case == case and r.rel_error is not None and get_variant(r.variant).exact:
                 ax.axhline(max(r.rel_error, 1e-17), color=color[r.variant], ls="--", lw=1)
@@ -389,8 +388,8 @@ def plot_report(rows, sweeps, path, w: Workload) -> None:
         pts = [p for p in sweeps["scaling"] if p["variant"] == name and "best_ms" in p]
         if pts:
             ls = "--" if get_variant(name).exact else "-"
-            ax.plot([p["n"] for p in pts], [p["best_ms"] for p in pts], "o" + ls,
-                    color=color[name])
+            ax.plot([p["n"] for p in pts], [p["best_ms"] for p in pts], ls,
+                    marker=marker[name], color=color[name])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length n (= s)")
@@ -399,7 +398,7 @@ def plot_report(rows, sweeps, path, w: Workload) -> None:
     ax.grid(True, which="both", alpha=0.3)
     # one legend for all panels (one colour per variant), outside the axes
     from matplotlib.lines import Line2D
-    handles = [Line2D([], [], color=color[name], marker="o",
+    handles = [Line2D([], [], color=color[name], marker=marker[name],
                       ls="--" if get_variant(name).exact else "-",
                       label=name + ("" if get_variant(name).parameter is None
                                     or get_variant(name).exact
