@@ -277,3 +277,63 @@ class TestValidateCommand:
             if expected < 2:
                 assert res.stdout.strip().splitlines()[-1].startswith(
                     ("MATCH", "MISMATCH")[expected])
+
+
+def _registered(name):
+    return name in {r.name for r in arrayattn.variants()}
+
+
+class TestPeerRandomMatrices:
+    """A peer's own implementation with its own random matrix, saved in the .npz file:
+    the reference replays the matrix, so the same rounding-level tolerance applies.
+    (Active once the family's variant is registered.)"""
+
+    def save(self, tmp_path, name, **arrays):
+        path = str(tmp_path / f"{name}.npz")
+        np.savez(path, **arrays)
+        return path
+
+    def check(self, tmp_path, capsys, variant, out, head, **arrays):
+        good = self.save(tmp_path, "good", out=out, **arrays)
+        assert main(["validate", good, "--variant", variant]) == 0, capsys.readouterr().out
+        bad_out = out.copy()
+        bad_out[head] += np.float32(1e-3)
+        bad = self.save(tmp_path, "bad", out=bad_out, **arrays)
+        capsys.readouterr()
+        assert main(["validate", bad, "--variant", variant]) == 1
+        verdict = capsys.readouterr().out.strip().splitlines()[-1]
+        assert f"1 of 6 head(s)" in verdict and f"head {head}:" in verdict
+
+    def test_performer_with_peer_omega(self, tmp_path, capsys, rng):
+        """FAVOR+ positive features written from the paper in float32: phi(x) =
+        m^-1/2 exp(omega x~ - |x~|^2/2), x~ = d^-1/4 x; iid Gaussian omega of the peer's."""
+        if not _registered("performer_positive"):
+            pytest.skip("performer_positive is not registered in this branch")
+        b, h, n, d, m = 2, 3, 64, 16, 32
+        q, k, v = (0.5 * rng.standard_normal((b, h, n, d)).astype(np.float32)
+                   for _ in range(3))
+        omega = rng.standard_normal((m, d)).astype(np.float32)
+
+        def phi(x):
+            x = x * np.float32(d ** -0.25)
+            return (np.exp(x @ omega.T - (x * x).sum(-1, keepdims=True) / 2)
+                    / np.float32(np.sqrt(m)))
+        pq, pk = phi(q), phi(k)
+        out = (pq @ (np.swapaxes(pk, -1, -2) @ v)) / (pq @ pk.sum(-2)[..., None])
+        self.check(tmp_path, capsys, "performer_positive", out.astype(np.float32), (1, 0),
+                   q=q, k=k, v=v, omega=omega)
+
+    def test_linformer_with_peer_projections(self, tmp_path, capsys, rng):
+        """Linformer written from the paper in float32: softmax(q (E k)^T / sqrt(d)) (F v)
+        with the peer's own E, F (m, s)."""
+        if not _registered("linformer"):
+            pytest.skip("linformer is not registered in this branch")
+        b, h, n, d, m = 2, 3, 64, 16, 8
+        q, k, v = (rng.standard_normal((b, h, n, d)).astype(np.float32) for _ in range(3))
+        e, f = (rng.standard_normal((m, n)).astype(np.float32) / np.float32(np.sqrt(m))
+                for _ in range(2))
+        logits = q @ np.swapaxes(e @ k, -1, -2) / np.float32(np.sqrt(d))
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        out = (w / w.sum(-1, keepdims=True)) @ (f @ v)
+        self.check(tmp_path, capsys, "linformer", out.astype(np.float32), (0, 2),
+                   q=q, k=k, v=v, e=e, f=f)
