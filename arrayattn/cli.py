@@ -115,8 +115,11 @@ def run_validate(path: str, variant: str, options=(), *, rtol=None, out=None,
         try:
             c = compare_to_reference(arrays["out"], rec, arrays["q"], arrays["k"],
                                      arrays["v"], rtol=rtol, **params)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError) as exc:  # shapes, dtypes, options the variant rejects
             raise UsageError(f"{path}: {exc}") from None
+        except Exception as exc:  # anything else the reference raised on these inputs
+            raise UsageError(f"{path}: the reference {rec.name} raised "
+                             f"{type(exc).__name__}: {exc}") from None
     except UsageError as exc:
         print(f"arrayattn validate: error: {exc}", file=err)
         return 2
@@ -186,15 +189,14 @@ def _report(args) -> int:
     return 0
 
 
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="arrayattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser(
         "report", help="run every registered variant on a default workload",
         description="Run every registered variant on a built-in workload (q, k, v of shape "
-        "(batch, heads, n, d), in a 'gaussian' case and a 'sharp' case with q, k rows of "
-        "norm 8) and print one row per variant and case: relative error of the output vs "
+        "(batch, heads, n, d), in a 'gaussian' case and a 'sharp' case: q, k rows of "
+        "norm 8, each query aligned with one key) and print one row per variant and case: relative error of the output vs "
         "exact float64 attention, max row L1 error of the implied matrix (first head, "
         "n <= 2048), worst row-sum deviation, median time, peak memory, approximation "
         "parameter.")

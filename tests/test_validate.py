@@ -262,6 +262,12 @@ class TestValidateCommand:
         assert code == 2 and "cannot open" in err
         code, _, err = self.run(capsys, files["ok"], "--variant", "softmax", "--option", "x")
         assert code == 2 and "key=value" in err
+        code, _, err = self.run(capsys, files["ok"], "--variant", "softmax", "--option",
+                                "no_such_option=1")
+        assert code == 2 and "no_such_option" in err and len(err.strip().splitlines()) == 1
+        code, _, err = self.run(capsys, files["ok"], "--variant", "softmax", "--option",
+                                "block_size=-3")
+        assert code == 2 and "block_size" in err
         with pytest.raises(SystemExit) as exc:  # argparse: --variant is required
             main(["validate", files["ok"]])
         assert exc.value.code == 2
