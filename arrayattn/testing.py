@@ -178,10 +178,13 @@ class Comparison:
                 f"({self.dtype} output); worst {self._head_line(i)}")
 
     def table(self) -> str:
-        """Per-head table: max abs error, relative error, tolerance, verdict."""
-        head = ["head", "max abs error", "rel. error", "tolerance", "worst (query, col)", ""]
+        """Per-head table: max abs error, relative error, arrayattn's own rounding error
+        in the working precision (``own error``), tolerance, worst position, verdict."""
+        head = ["head", "max abs error", "rel. error", "own error", "tolerance",
+                "worst (query, col)", ""]
         rows = [[str(self.heads[i]), f"{self.max_abs[i]:.3e}", f"{self.rel[i]:.3e}",
-                 f"{self.tolerance[i]:.3e}", str(tuple(self.worst[i])),
+                 f"{self.own_error[i]:.3e}", f"{self.tolerance[i]:.3e}",
+                 str(tuple(self.worst[i])),
                  "ok" if self.max_abs[i] <= self.tolerance[i] else "FAIL"]
                 for i in range(len(self.heads))]
         widths = [max(len(x) for x in col) for col in zip(head, *rows)]
@@ -231,8 +234,8 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, **params) -> Co
 
     .. math::
 
-       \tau_h = F \cdot \max\bigl(e_h,\; \|R_h\|_\infty \max(\epsilon_{out},
-                \sqrt{s}\,\epsilon_{work})\bigr), \qquad F = 8,
+       \tau_h = F \cdot \max\bigl(e_h,\; \epsilon_{out} \|R_h\|_\infty\bigr),
+       \qquad F = 8,
 
     where
 
@@ -245,14 +248,14 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, **params) -> Co
       or an ill-conditioned pseudo-inverse all show up in it.  This is the criterion
       of FlashAttention's own test suite (error at most a small multiple of a plain
       implementation's error in the same precision);
-    * the floor is one rounding of the largest output (:math:`\epsilon_{out}`, the
-      machine epsilon of the output dtype) or the probabilistic rounding error of a
-      length-``s`` sum in the working precision, :math:`\sqrt{s}\,\epsilon_{work}`
-      (Higham & Mary 2019), whichever is larger; it matters for float64, where the
-      own evaluation *is* the reference;
+    * the floor :math:`\epsilon_{out}\|R_h\|_\infty` (machine epsilon of the output dtype
+      times the head's largest entry) is the rounding of the result itself: it is what
+      counts for float16 and bfloat16 outputs, whose arithmetic is float32;
     * :math:`F = 8` allows a correct implementation to sum in another order (blocked
       or online softmax, fused kernels, another BLAS), whose rounding error is of
-      the same order but not the same value.
+      the same order but not the same value (measured: torch's
+      ``scaled_dot_product_attention``, blockwise softmax and a plain float32 port stay
+      within 1.4 e_h at n = 256 ... 2048, d = 64, diffuse and sharp attention).
 
     For random-feature and random-pattern variants pass the matrix the other
     implementation used (e.g. ``omega=``, ``e=``, ``f=``): the reference then uses the
@@ -321,8 +324,7 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, **params) -> Co
         notes.append(f"arrayattn's own {work} evaluation is not finite on these inputs; "
                      "the tolerance uses the rounding floor only")
         own_err = np.where(np.isfinite(own_err), own_err, 0.0)
-    s = k64.shape[-2]
-    floor = scale * max(_EPS[dtype], math.sqrt(s) * _EPS[work])
+    floor = scale * _EPS[dtype]
     if rtol is None:
         tol = TOLERANCE_FACTOR * np.maximum(own_err, floor)
     else:

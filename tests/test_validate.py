@@ -76,16 +76,36 @@ class TestCompareToReference:
             assert c.ok is ok, c.table()
 
     def test_tolerance_derivation(self, qkv32):
-        """tau = F max(own error, |R| max(eps_out, sqrt(s) eps_work)); rounding-level."""
+        """tau = F max(own error, eps_out |R|); rounding-level."""
         q, k, v = qkv32
         c = compare_to_reference(plain_attention(q, k, v), "softmax", q, k, v)
         scale = np.abs(plain_attention(q, k, v, dtype=np.float64)).reshape(6, -1).max(1)
-        floor = scale * max(2.0 ** -23, np.sqrt(48) * 2.0 ** -23)
-        np.testing.assert_allclose(c.tolerance, TOLERANCE_FACTOR * np.maximum(c.own_error,
-                                                                             floor))
+        np.testing.assert_allclose(c.tolerance, TOLERANCE_FACTOR * np.maximum(
+            c.own_error, 2.0 ** -23 * scale), rtol=1e-6)
         assert np.all(c.own_error > 0) and np.all(c.own_error < 1e-5 * scale)
-        # float32 tolerances are ~1e-5 relative: a 1e-4 error anywhere is caught
-        assert np.all(c.tolerance < 1e-4 * scale)
+        # float32 tolerances are ~1e-6 relative: a 1e-4 error anywhere is caught
+        assert np.all(c.tolerance < 1e-5 * scale)
+
+    @pytest.mark.parametrize("n", [256, 1024])
+    def test_other_correct_orders_stay_within_the_own_error(self, n):
+        """The factor F = 8 is not tight: correct float32 implementations that sum in
+        other orders (blockwise online softmax, a plain port, torch's SDPA) stay within
+        2 e_h on diffuse and sharp attention, so they never come near the tolerance."""
+        from arrayattn.report import Workload, make_inputs
+        for case in ("gaussian", "sharp"):
+            q, k, v = (x.astype(np.float32) for x in
+                       make_inputs(Workload(n=n, heads=2, d=64), case))
+            outs = [np.asarray(arrayattn.softmax_attention(q, k, v, block_size=96)),
+                    plain_attention(q, k, v)]
+            try:
+                import torch
+                outs.append(torch.nn.functional.scaled_dot_product_attention(
+                    *(torch.from_numpy(x) for x in (q, k, v))).numpy())
+            except ImportError:
+                pass
+            for out in outs:
+                c = compare_to_reference(out, "softmax", q, k, v)
+                assert np.all(c.max_abs <= 2.0 * c.own_error), (case, c.table())
 
     def test_float64_and_float16(self, qkv32):
         q, k, v = (x.astype(np.float64) for x in qkv32)
