@@ -222,9 +222,10 @@ def markdown(results, rates, ns, args, info) -> str:
                 if "seconds" not in p:
                     cells.append("skip")
                     continue
-                t = p["seconds"] * 1e3
+                t = p["seconds"]
+                tt = f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
                 mem = "-" if p["peak_bytes"] is None else f"{p['peak_bytes'] / 2**20:.0f} MiB"
-                cells.append(f"{t:.3g} ms, {mem}, {100 * p['exact_equiv_fraction']:.0f}%")
+                cells.append(f"{tt}, {mem}, {100 * p['exact_equiv_fraction']:.0f}%")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
