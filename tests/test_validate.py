@@ -86,7 +86,7 @@ class TestCompareToReference:
         # float32 tolerances are ~1e-6 relative: a 1e-4 error anywhere is caught
         assert np.all(c.tolerance < 1e-5 * scale)
 
-    @pytest.mark.parametrize("n", [256, 1024])
+    @pytest.mark.parametrize("n", [256, 512])
     def test_other_correct_orders_stay_within_the_own_error(self, n):
         """The factor F = 8 is not tight: correct float32 implementations that sum in
         other orders (blockwise online softmax, a plain port, torch's SDPA) stay within
