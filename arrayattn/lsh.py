@@ -113,10 +113,22 @@ def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
     H = rot.shape[-3]
     if nb == 1:
         return xp.full((*batch, H, n), 0, device=_dev(qk))  # default integer dtype
-    proj = xp.expand_dims(qk, axis=-3) @ rot            # (..., H, n, nb/2)
-    both = xp.concat([proj, -proj], axis=-1)
-    buckets = xp.argmax(both, axis=-1)                   # (..., H, n)
-    return xp.broadcast_to(buckets, (*batch, H, n))
+    d, half = rot.shape[-2], rot.shape[-1]
+    # All rounds in one product: (..., n, d) @ (..., d, H * nb/2).
+    flat_rot = xp.reshape(xp.permute_dims(rot, (*range(rot.ndim - 3), rot.ndim - 2,
+                                                 rot.ndim - 3, rot.ndim - 1)),
+                          (*rot.shape[:-3], d, H * half))
+    if rot.ndim == 3:  # shared rotations: one 2-D product (NumPy's broadcast is slow)
+        proj = xp.reshape(xp.reshape(qk, (-1, d)) @ flat_rot, (*qk.shape[:-1], H, half))
+    else:
+        proj = qk @ flat_rot
+        proj = xp.reshape(proj, (*proj.shape[:-1], H, half))   # (..., n, H, nb/2)
+    # argmax([p, -p]) without forming the concatenation (ties: the first half wins,
+    # as argmax takes the first maximum).
+    upper = xp.max(proj, axis=-1) >= -xp.min(proj, axis=-1)
+    buckets = xp.where(upper, xp.argmax(proj, axis=-1),
+                       xp.argmin(proj, axis=-1) + half)                 # (..., n, H)
+    return xp.broadcast_to(xp.matrix_transpose(buckets), (*batch, H, n))
 
 
 def _dev(x):
@@ -173,15 +185,17 @@ def _gather(xp, x, flat_idx, shape):
     return xp.reshape(xp.take(xp.reshape(x, (B * n, f)), flat_idx, axis=0), shape)
 
 
-def _look_one_back(xp, x, fill):
+def _look_one_back(xp, x, fill, axis=2):
     """``(B, nc, C, ...) -> (B, nc, 2C, ...)``: each chunk preceded by the previous chunk.
 
+    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(B, nc, d, C)``).
     The first chunk has no previous chunk (no wrap-around): its look-back half is
-    ``fill`` (a slot that no query may attend to).
+    ``fill`` (a slot that no query may attend to).  The result is a fresh contiguous
+    array (NumPy's batched matmul is ~10x slower on a transposed view).
     """
     first = xp.full((x.shape[0], 1, *x.shape[2:]), fill, dtype=x.dtype, device=_dev(x))
     prev = xp.concat([first, x[:, :-1, ...]], axis=1)
-    return xp.concat([prev, x], axis=2)
+    return xp.concat([prev, x], axis=axis)
 
 
 def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
@@ -207,32 +221,35 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
         return xp.reshape(xp.where(is_slot, g, -1), (B, nc, C))
 
     q_c = _gather(xp, qs, flat, (B, nc, C, qs.shape[-1]))
-    k_w = _look_one_back(xp, _gather(xp, ks, flat, (B, nc, C, ks.shape[-1])), 0)
+    k_t = xp.matrix_transpose(_gather(xp, ks, flat, (B, nc, C, ks.shape[-1])))
+    k_wt = _look_one_back(xp, k_t, 0, axis=-1)                        # (B, nc, d, 2C)
     v_w = _look_one_back(xp, _gather(xp, vs, flat, (B, nc, C, vs.shape[-1])), 0)
     pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
     bq = sorted_ints(buckets[:, r, :])
     bk = _look_one_back(xp, bq, -1)
     pk = _look_one_back(xp, pos, -1)
+    # Paper eq. (3): same bucket only.  Queries and keys that are not real (pad slots
+    # in bucket -1, masked tokens in bucket nb) get codes that match nothing.  The
+    # token itself is excluded here and used as a fallback after the rounds are merged.
+    bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
+    bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
     pq4, pk4 = pos[..., :, None], pk[..., None, :]
-    bq4, bk4 = bq[..., :, None], bk[..., None, :]
-    # Paper eq. (3): same bucket only; the token itself is excluded here and used as a
-    # fallback after all rounds are merged; masked keys live in bucket nb, pads in -1.
-    allowed = (bq4 == bk4) & (bk4 >= 0) & (bk4 < nb) & (pk4 != pq4)
-    if causal:
-        allowed = allowed & (pk4 <= pq4)
-    scores = q_c @ xp.matrix_transpose(k_w)                           # (B, nc, C, 2C)
+    allowed = (bq_code[..., :, None] == bk_code[..., None, :]) & (
+        (pk4 < pq4) if causal else (pk4 != pq4))
+    scores = q_c @ k_wt                                               # (B, nc, C, 2C)
     if dedup and H > 1:
         # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
-        # subtracting log N_ij makes a pair met in several rounds count once.
-        count = xp.zeros(scores.shape, dtype=work_dtype, device=device)
+        # subtracting log N_ij makes a pair met in several rounds count once.  Where
+        # allowed, N_ij >= 1 (this round); elsewhere the value is unused.
+        count = None
         for r2 in range(H):
             if r2 == r:
-                count = count + 1.0  # same bucket in this round wherever allowed
                 continue
             b2 = sorted_ints(buckets[:, r2, :])
-            same = b2[..., :, None] == _look_one_back(xp, b2, -1)[..., None, :]
-            count = count + xp.astype(same, work_dtype)
-        scores = scores - xp.log(count)
+            same = xp.astype(b2[..., :, None] == _look_one_back(xp, b2, -1)[..., None, :],
+                             xp.int8)
+            count = same if count is None else count + same
+        scores = scores - xp.log1p(xp.astype(count, work_dtype))
     out, lse = attend(xp, scores, v_w, allowed, return_lse=True)
     out = xp.reshape(out, (B, L, out.shape[-1]))[:, :n, :]
     lse = xp.reshape(lse, (B, L))[:, :n]
