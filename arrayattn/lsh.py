@@ -17,7 +17,7 @@ import numpy as np
 
 from ._validate import (Problem, check_key_mask, check_positive_int, check_qkv,
                         check_same_array_kind, check_scale)
-from ._xp import xp_from_host
+from ._xp import xp_device, xp_from_host
 from .exact import attend
 from .registry import Variant, register
 
@@ -44,9 +44,10 @@ def _check_num_buckets(num_buckets) -> int:
 
 
 def lsh_rotations(d, *, num_hashes=4, num_buckets, seed=0):
-    """The random rotations of angular LSH, drawn on the host: ``(num_hashes, d, num_buckets // 2)``.
+    """The random rotations of angular LSH, drawn on the host.
 
-    Entries are iid standard normal (float64), drawn with
+    Shape ``(num_hashes, d, num_buckets // 2)``; the entries are iid standard normal
+    (float64), drawn with
     ``numpy.random.default_rng(seed).standard_normal((num_hashes, d, num_buckets // 2))``.
     This is exactly the matrix :func:`lsh_attention` draws for a given ``seed``; give it
     (or your own model's matrix of that shape) to ``rotations=`` to replay a hash.
@@ -112,7 +113,7 @@ def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
     """Buckets ``(*batch, H, n)``: ``argmax([x R, -x R])`` per round (Andoni et al. 2015)."""
     H = rot.shape[-3]
     if nb == 1:
-        return xp.full((*batch, H, n), 0, device=_dev(qk))  # default integer dtype
+        return xp.full((*batch, H, n), 0, device=xp_device(qk))  # default integer dtype
     d, half = rot.shape[-2], rot.shape[-1]
     # All rounds in one product: (..., n, d) @ (..., d, H * nb/2).
     flat_rot = xp.reshape(xp.permute_dims(rot, (*range(rot.ndim - 3), rot.ndim - 2,
@@ -129,11 +130,6 @@ def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
     buckets = xp.where(upper, xp.argmax(proj, axis=-1),
                        xp.argmin(proj, axis=-1) + half)                 # (..., n, H)
     return xp.broadcast_to(xp.matrix_transpose(buckets), (*batch, H, n))
-
-
-def _dev(x):
-    from ._xp import xp_device
-    return xp_device(x)
 
 
 def _prepare(qk, v, key_mask, *, num_hashes, num_buckets, chunk_size, seed, rotations):
@@ -180,7 +176,7 @@ def lsh_buckets(qk, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
 # ---------------------------------------------------------------------------------
 
 def _gather(xp, x, flat_idx, shape):
-    """Rows of ``x (B, n, f)`` at flat indices ``(B*L,)`` (``b*n + i``), reshaped to ``shape``."""
+    """Rows of ``x (B, n, f)`` at flat indices ``(B*L,)`` (``b*n + i``), reshaped."""
     B, n, f = x.shape
     return xp.reshape(xp.take(xp.reshape(x, (B * n, f)), flat_idx, axis=0), shape)
 
@@ -193,7 +189,8 @@ def _look_one_back(xp, x, fill, axis=2):
     ``fill`` (a slot that no query may attend to).  The result is a fresh contiguous
     array (NumPy's batched matmul is ~10x slower on a transposed view).
     """
-    first = xp.full((x.shape[0], 1, *x.shape[2:]), fill, dtype=x.dtype, device=_dev(x))
+    first = xp.full((x.shape[0], 1, *x.shape[2:]), fill, dtype=x.dtype,
+                    device=xp_device(x))
     prev = xp.concat([first, x[:, :-1, ...]], axis=1)
     return xp.concat([prev, x], axis=axis)
 
@@ -387,22 +384,23 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
     ks = qk3 / xp.where(norm > 0, norm, 1.0)
     qs = qk3 * scale
 
-    outs, lses = [], []
+    # Merge the rounds as they come (the online log-sum-exp of FlashAttention):
+    # m = running max of the rounds' lse, l = sum_r exp(z_r - m), acc = sum_r
+    # exp(z_r - m) o_r; a round with no key (z_r = -inf) adds exactly 0.
+    m = xp.full((B, n), -xp.inf, dtype=wd, device=dev)
+    l = xp.zeros((B, n), dtype=wd, device=dev)
+    acc = xp.zeros((B, n, p.dv), dtype=wd, device=dev)
     for r in range(H):
         o, z = _lsh_round(xp, qs, ks, v3, buckets, r, n=n, C=C, nb=nb, causal=causal,
                           dedup=dedup, work_dtype=wd, device=dev)
-        outs.append(o)
-        lses.append(z)
-    # z = logsumexp over rounds; -inf (no key in any round) is kept out of log/exp.
-    lse = xp.stack(lses, axis=0)                                      # (H, B, n)
-    zmax = xp.max(lse, axis=0)
-    has_key = zmax > -xp.inf
-    zmax = xp.where(has_key, zmax, 0.0)
-    total = xp.sum(xp.exp(lse - zmax), axis=0)
-    z_safe = zmax + xp.log(xp.where(has_key, total, 1.0))
-    out = outs[0] * xp.exp(lses[0] - z_safe)[..., None]
-    for o, zr in zip(outs[1:], lses[1:]):
-        out = out + o * xp.exp(zr - z_safe)[..., None]
+        m_new = xp.maximum(m, z)
+        shift = xp.where(m_new == -xp.inf, 0.0, m_new)
+        old, new = xp.exp(m - shift), xp.exp(z - shift)
+        l = l * old + new
+        acc = acc * old[..., None] + o * new[..., None]
+        m = m_new
+    has_key = l > 0
+    out = acc / xp.where(has_key, l, 1.0)[..., None]
     # Fallback: a token with no other key in any round attends to itself (if real).
     fallback = v3
     if key_mask is not None:

@@ -110,7 +110,8 @@ class TestLunaAttention:
         wk = np.ones((DV, D))
         with pytest.raises(ValueError, match="luna_attention cannot be causal: every packed"):
             luna_attention(q, k, v, p, causal=True, unpack_key_proj=wk)
-        with pytest.raises(ValueError, match=r"pass unpack_key_proj of shape \(dv, d\) = \(5, 8\)"):
+        with pytest.raises(ValueError,
+                           match=r"pass unpack_key_proj of shape \(dv, d\) = \(5, 8\)"):
             luna_attention(q, k, v, p)
         with pytest.raises(ValueError, match=r"k has d=8 but p has d=3 \(shapes p \(7, 3\)"):
             luna_attention(q, k, v, p[:, :3], unpack_key_proj=wk)
