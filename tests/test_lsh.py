@@ -255,9 +255,13 @@ class TestLshAttention:
         opts = dict(num_hashes=H, num_buckets=NB, chunk_size=C, seed=2, causal=causal)
         out = backend.to_numpy(lsh_attention(backend.asarray(qk), backend.asarray(v),
                                              key_mask=backend.asarray(km), **opts))
-        ref = lsh_attention(backend.asarray(qk[km].reshape(2, real, D)),
-                            backend.asarray(v[km].reshape(2, real, DV)), **opts)
-        np.testing.assert_array_equal(out[km].reshape(2, real, DV), backend.to_numpy(ref))
+        # The cut problem runs on NumPy (bit for bit there; other backends within
+        # rounding -- this spares JAX a compilation for one more shape).
+        ref = lsh_attention(qk[km].reshape(2, real, D), v[km].reshape(2, real, DV), **opts)
+        if backend.name.startswith("numpy"):
+            np.testing.assert_array_equal(out[km].reshape(2, real, DV), ref)
+        np.testing.assert_allclose(out[km].reshape(2, real, DV), ref, rtol=0,
+                                   atol=lsh_atol("float64", qk, v, rounds=H))
         np.testing.assert_array_equal(out[~km], 0.0)
 
     def test_more_hashes_reduce_error(self, np_backend):
