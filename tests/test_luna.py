@@ -123,3 +123,19 @@ class TestLunaAttention:
             luna_attention(q, k, v, p.astype(np.int64), unpack_key_proj=wk)
         with pytest.raises(ValueError, match="key_mask must have shape"):
             luna_attention(q, k, v, p, unpack_key_proj=wk, key_mask=np.ones((2, S - 1), bool))
+
+
+class TestLunaGradients:
+    def test_torch_gradcheck(self, rng):
+        from conftest import get_backend
+        get_backend("torch")
+        import torch
+
+        q, k, v = make_qkv(rng, batch=(2,), n=6, s=9, d=4, dv=3, norm=2.0)
+        p = rng.standard_normal((3, 4))
+        wk = rng.standard_normal((3, 4))
+        km = torch.tensor(rng.random((2, 9)) < 0.8)
+        args = tuple(torch.tensor(x, requires_grad=True) for x in (q, k, v, p, wk))
+        assert torch.autograd.gradcheck(
+            lambda a, b, c, d, e: luna_attention(a, b, c, d, key_mask=km, unpack_key_proj=e),
+            args)
