@@ -195,6 +195,9 @@ def _look_one_back(xp, x, fill, axis=2):
     return xp.concat([prev, x], axis=axis)
 
 
+_TILE = 1 << 22  # elements of one score-sized temporary (16 MiB in float32)
+
+
 def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
     """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
 
@@ -230,24 +233,36 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
     # token itself is excluded here and used as a fallback after the rounds are merged.
     bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
     bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
-    pq4, pk4 = pos[..., :, None], pk[..., None, :]
-    allowed = (bq_code[..., :, None] == bk_code[..., None, :]) & (
-        (pk4 < pq4) if causal else (pk4 != pq4))
-    scores = q_c @ k_wt                                               # (B, nc, C, 2C)
+    others = []  # the other rounds' buckets, for the duplicate count
     if dedup and H > 1:
-        # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
-        # subtracting log N_ij makes a pair met in several rounds count once.  Where
-        # allowed, N_ij >= 1 (this round); elsewhere the value is unused.
-        count = None
         for r2 in range(H):
-            if r2 == r:
-                continue
-            b2 = sorted_ints(buckets[:, r2, :])
-            same = xp.astype(b2[..., :, None] == _look_one_back(xp, b2, -1)[..., None, :],
-                             xp.int8)
-            count = same if count is None else count + same
-        scores = scores - xp.log1p(xp.astype(count, work_dtype))
-    out, lse = attend(xp, scores, v_w, allowed, return_lse=True)
+            if r2 != r:
+                b2 = sorted_ints(buckets[:, r2, :])
+                others.append((b2, _look_one_back(xp, b2, -1)))
+    # The score-sized work runs over blocks of chunks, so that its temporaries stay
+    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)).
+    step = max(1, _TILE // (B * C * 2 * C))
+    outs, lses = [], []
+    for c0 in range(0, nc, step):
+        blk = slice(c0, min(c0 + step, nc))
+        pq4, pk4 = pos[:, blk, :, None], pk[:, blk, None, :]
+        allowed = (bq_code[:, blk, :, None] == bk_code[:, blk, None, :]) & (
+            (pk4 < pq4) if causal else (pk4 != pq4))
+        scores = q_c[:, blk, ...] @ k_wt[:, blk, ...]                 # (B, g, C, 2C)
+        if others:
+            # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
+            # subtracting log N_ij makes a pair met in several rounds count once.
+            # Where allowed, N_ij = 1 (this round) + the matches counted here.
+            count = None
+            for b2q, b2k in others:
+                same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
+                count = same if count is None else count + same
+            scores = scores - xp.log1p(xp.astype(count, work_dtype))
+        o, z = attend(xp, scores, v_w[:, blk, ...], allowed, return_lse=True)
+        outs.append(o)
+        lses.append(z)
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=1)
+    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=1)
     out = xp.reshape(out, (B, L, out.shape[-1]))[:, :n, :]
     lse = xp.reshape(lse, (B, L))[:, :n]
     # Undo the sort: sorted slot t holds position order[t]; position i is at undo[i].

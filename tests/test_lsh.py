@@ -196,6 +196,21 @@ class TestLshAttention:
             xp_assert_close(out, backend.asarray(ref), rtol=0,
                             atol=lsh_atol("float64", qk, v, rounds=H))
 
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_blocks_of_chunks(self, np_backend, rng, monkeypatch, causal):
+        """Long inputs run over blocks of chunks: one chunk per block (the smallest
+        tile) gives the oracle's result too."""
+        import arrayattn.lsh as lsh_module
+
+        qk, v = standard(rng)
+        km = rng.random((2, N)) < 0.85
+        rot = lsh_rotations(D, num_hashes=H, num_buckets=NB, seed=5)
+        ref = lsh_oracle(qk, v, rotations=rot, chunk_size=C, causal=causal, key_mask=km)
+        monkeypatch.setattr(lsh_module, "_TILE", 1)
+        out = lsh_attention(qk, v, num_hashes=H, num_buckets=NB, chunk_size=C, seed=5,
+                            causal=causal, key_mask=km)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=lsh_atol("float64", qk, v, rounds=H))
+
     def test_equals_definition_float32(self, backend, rng):
         """float32: the attention part against the oracle given the same buckets."""
         qk, v = standard(rng)
