@@ -7,7 +7,7 @@ Every hash round sorts the tokens by bucket (then by position), cuts the sorted 
 into chunks of ``chunk_size`` and lets each query attend to the keys of its own chunk
 and of the previous chunk that share its bucket; the rounds are merged with their
 log-sum-exp weights.  Cost per round: a sort (``O(n log n)``) and ``O(n · chunk · d)``
-for the attention; memory ``O(n · chunk)``; never ``n x n``.
+for the attention; memory ``O(n d)`` plus a bounded tile of scores; never ``n x n``.
 """
 from __future__ import annotations
 
@@ -365,8 +365,9 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
       keys with the self-exclusion rule (tested).
 
     Cost per round: two ``argsort`` of length ``n``, gathers of ``n (d + dv)``,
-    ``4 n C (d + dv)`` FLOPs for the scores and the product; memory ``O(n C)``.  The
-    loop is over the ``H`` rounds only.
+    ``4 n C (d + dv)`` FLOPs for the scores and the product; memory ``O(n (d + dv))``
+    plus score tiles of about ``2^22`` entries.  Python loops run over the ``H`` rounds
+    and over blocks of chunks only.
 
     Examples
     --------
@@ -442,7 +443,7 @@ register(Variant(
     normalized=True,
     defaults={"num_hashes": 4, "chunk_size": 64, "seed": 0},
     parameter="num_hashes",
-    complexity="O(H n (log n + C d)) time, O(n C) memory",
+    complexity="O(H n (log n + C d)) time, O(n d) memory (+ bounded score tiles)",
     citation="Kitaev, Kaiser & Levskaya 2020, Reformer: The Efficient Transformer",
     random=True,
     cross=False,
