@@ -6,10 +6,14 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
 from .exact import softmax_attention
+from .lsh import lsh_attention, lsh_buckets, lsh_rotations
+from .luna import luna_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants",
     "softmax_attention",
+    "lsh_attention", "lsh_buckets", "lsh_rotations",
+    "luna_attention",
 ]
