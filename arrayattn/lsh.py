@@ -225,6 +225,10 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
     k_wt = _look_one_back(xp, k_t, 0, axis=-1)                        # (B, nc, d, 2C)
     v_w = _look_one_back(xp, _gather(xp, vs, flat, (B, nc, C, vs.shape[-1])), 0)
     pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
+    if causal:
+        # Sorted rank of each slot, and of each key slot in the look-back window.
+        slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
+        slot_k = _look_one_back(xp, slot, -L)
     bq = sorted_ints(buckets[:, r, :])
     bk = _look_one_back(xp, bq, -1)
     pk = _look_one_back(xp, pos, -1)
@@ -248,6 +252,14 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
         pq4, pk4 = pos[:, blk, :, None], pk[:, blk, None, :]
         allowed = (bq_code[:, blk, :, None] == bk_code[:, blk, None, :]) & (
             (pk4 < pq4) if causal else (pk4 != pq4))
+        if causal:
+            # A sliding window of the C sorted slots before the query instead of the
+            # chunk + previous chunk: within a bucket, slots are in position order, so
+            # the window holds the query's min(C, #) most recent same-bucket keys -- a
+            # set fixed by past tokens alone.  With chunk boundaries a future token's
+            # bucket could shift the window and change a past output.
+            allowed = allowed & (
+                slot[:, blk, :, None] - slot_k[:, blk, None, :] <= C)
         scores = q_c[:, blk, ...] @ k_wt[:, blk, ...]                 # (B, g, C, 2C)
         if others:
             # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
@@ -322,8 +334,8 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
         The caller's rotations (e.g. a model's fixed hash), replacing the seeded draw.
         Leading dimensions broadcast against the batch (per-head rotations).
     causal : bool
-        Query ``i`` only sees keys ``j <= i`` (``n = s``, so end-aligned = usual).  See
-        the notes for what causality means with sorting.
+        Query ``i`` only sees keys ``j < i`` (``n = s``, so end-aligned = usual), in a
+        sliding window of ``C`` sorted slots (see the notes).
     key_mask : boolean array, shape ``(..., n)``, optional
         ``False`` marks padding.  A padded token is hashed into an extra bucket sorted
         after all real buckets, so it never takes a chunk slot of a real token: the
@@ -357,10 +369,14 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
     * The duplicate count ``N_ij`` counts the rounds in which ``i`` and ``j`` share a
       bucket, not those in which they share a chunk window (paper's definition); when
       a chunk boundary separates them in some round the pair is counted less.
-    * Causal: a future key or value never receives weight (tested bit for bit).  But
-      the sort is over the whole sequence, so the *bucket* of a future token can move
-      the chunk boundaries and change which past keys fall in a query's window: causal
-      Reformer attention is causal in keys and values, not in hash buckets.
+    * Causal: query ``i`` sees the same-bucket keys ``j < i`` among the ``C`` sorted
+      slots before it (``t_i - C <= t_j < t_i``), a sliding window instead of the
+      chunk + previous chunk.  Within a bucket the sort keeps position order, so this is
+      the ``min(C, #)`` most recent same-bucket keys: a set fixed by past tokens alone.
+      With plain chunk windows (as in the paper and popular ports) the *bucket* of a
+      future token shifts the chunk boundaries and can change a past output; here no
+      future key, value or bucket changes a past output (tested: bit for bit when the
+      buckets stay, to rounding when a future bucket moves the past slots).
     * ``num_buckets=1`` with ``chunk_size >= n`` is dense softmax attention over unit
       keys with the self-exclusion rule (tested).
 
@@ -448,6 +464,7 @@ register(Variant(
     random=True,
     cross=False,
     notes=("shared-QK attention: the uniform call uses q as qk and ignores k (keys are "
-           "the l2-normalised q); self-attention only (n = s); causal masks future keys "
-           "and values, but future tokens' buckets can move chunk boundaries"),
+           "the l2-normalised q); self-attention only (n = s); causal mode uses a "
+           "sliding window of chunk_size sorted slots so that no future token, not even "
+           "its bucket, changes a past output"),
 ))
