@@ -90,14 +90,21 @@ class LinearAttentionState:
 # The augmented state is Sz = [S, z] of shape (..., m, dv + 1).
 # ---------------------------------------------------------------------------------------
 
-def _recurrent(xp, pq, pk, v1, sz0):
-    """The RNN recurrence ``Sz_t = Sz_{t-1} + phi(k_t) [v_t, 1]^T``, one token at a time."""
+def _recurrent(xp, pq, pk, v1, sz0, device):
+    """The RNN recurrence ``Sz_t = Sz_{t-1} + phi(k_t) [v_t, 1]^T``, one token at a time.
+
+    Token ``t`` is taken with an index *array* (``take``), not a static slice, so that a
+    library compiling each operation per static argument (JAX in eager mode) compiles
+    the step once, not once per token.
+    """
     sz = sz0
     outs = []
     for t in range(pq.shape[-2]):
-        sz = sz + pk[..., t, :, None] * v1[..., t, None, :]
-        outs.append((pq[..., t, None, :] @ sz)[..., 0, :])
-    return xp.stack(outs, axis=-2), sz
+        idx = xp.asarray([t], device=device)
+        kt, vt, qt = (xp.take(x, idx, axis=-2) for x in (pk, v1, pq))
+        sz = sz + xp.matrix_transpose(kt) @ vt          # outer product phi(k_t) [v_t, 1]^T
+        outs.append(qt @ sz)
+    return (outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)), sz
 
 
 def _cumsum(xp, pq, pk, v1, sz0):
@@ -156,7 +163,7 @@ def _causal(xp, pq, pk, v1, sz0, *, method, chunk, device):
     if pq.shape[-2] == 0:
         num, sz = None, sz0
     elif method == "recurrent":
-        num, sz = _recurrent(xp, pq, pk, v1, sz0)
+        num, sz = _recurrent(xp, pq, pk, v1, sz0, device)
     elif method == "cumsum":
         num, sz = _cumsum(xp, pq, pk, v1, sz0)
     else:
