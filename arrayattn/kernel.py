@@ -139,8 +139,7 @@ def _chunked(xp, pq, pk, v1, sz0, chunk: int, device):
     before = xp.cumulative_sum(
         xp.concat([sz0[..., None, :, :], kv[..., :-1, :, :]], axis=-3), axis=-3)
     a = qc @ xp.matrix_transpose(kc)                         # (..., nc, c, c)
-    a = xp.where(xp.tril(xp.ones((c, c), dtype=xp.bool, device=device)), a,
-                 xp.zeros_like(a))
+    a = xp.where(xp.tril(xp.ones((c, c), dtype=xp.bool, device=device)), a, 0.0)
     num = qc @ before + a @ vc                               # (..., nc, c, dv+1)
     num = xp.reshape(num, (*batch, nc * c, dv1))[..., :n, :]
     return num, before[..., -1, :, :] + kv[..., -1, :, :]
@@ -286,7 +285,7 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     pq = xp.astype(phi_q, wd, copy=False)
     pk = xp.astype(phi_k, wd, copy=False)
     if key_mask is not None:
-        pk = xp.where(key_mask[..., None], pk, xp.zeros_like(pk))
+        pk = xp.where(key_mask[..., None], pk, 0.0)
     wv = xp.astype(v, wd, copy=False)
     # Augment v with ones: the last output column is the denominator.
     v1 = xp.concat(
@@ -322,9 +321,8 @@ def _divide(xp, num, eps, wd):
             math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0 or None; got {eps!r}")
     den = num[..., -1:]
-    ok = xp.abs(den) > eps
-    out = num[..., :-1] / xp.where(ok, den, xp.ones_like(den))
-    return xp.where(ok, out, xp.zeros_like(out))
+    # A guarded row divides by +inf: finite / inf = 0 exactly, one where on (..., n, 1).
+    return num[..., :-1] / xp.where(xp.abs(den) > eps, den, xp.inf)
 
 
 def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
