@@ -211,7 +211,9 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     phi_k : array, shape ``(..., s, m)``
         Key features :math:`\varphi_k(k)`.
     v : array, shape ``(..., s, dv)``
-        Values.  Leading dimensions of the three broadcast.
+        Values.  Leading dimensions of the three broadcast; the three share one dtype
+        (features made in float32 from half-precision inputs: pass ``v`` in float32
+        too and cast the output back, as :func:`linear_attention` does).
     causal : bool
         End-aligned causal attention: query ``i`` sees key ``j <= i + (s - n)``.
     key_mask : boolean array, shape ``(..., s)``, optional
