@@ -8,6 +8,10 @@ from .registry import Variant, attention_matrix, get_variant, register, variants
 from .exact import softmax_attention
 from .lsh import lsh_attention, lsh_buckets, lsh_rotations
 from .luna import luna_attention
+from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
+from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
+                     feature_attention_step, linear_attention, linear_attention_state,
+                     linear_attention_step)
 
 __version__ = "0.1.0"
 
@@ -16,4 +20,8 @@ __all__ = [
     "softmax_attention",
     "lsh_attention", "lsh_buckets", "lsh_rotations",
     "luna_attention",
+    "FeatureMap", "get_feature_map", "taylor_feature_map",
+    "LinearAttentionState", "feature_attention", "feature_attention_step",
+    "linear_attention", "linear_attention_state", "linear_attention_step",
+    "efficient_attention",
 ]
