@@ -6,10 +6,13 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
 from .exact import softmax_attention
+from .linalg import pinv
+from .nystrom import landmark_attention, nystrom_attention, segment_means
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants",
     "softmax_attention",
+    "pinv", "segment_means", "nystrom_attention", "landmark_attention",
 ]
