@@ -147,7 +147,13 @@ def segment_means(x, m, /, *, key_mask=None, return_counts=False):
 
 
 def _check_query_mask(p, query_mask, q):
-    """``query_mask (..., n)``: :func:`check_key_mask` on the query axis."""
+    """``query_mask (..., n)`` boolean, broadcastable to the batch."""
+    if query_mask is None:
+        return None
+    if query_mask.ndim < 1 or query_mask.shape[-1] != p.n:
+        raise ValueError(f"query_mask must have shape (..., n) with n={p.n} queries; got "
+                         f"shape {tuple(query_mask.shape)}")
+    # The same dtype, device and batch checks as a key mask, on the query axis.
     return check_key_mask(dataclasses.replace(p, s=p.n), query_mask, q, name="query_mask")
 
 
