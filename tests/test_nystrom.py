@@ -120,9 +120,10 @@ def _check_against_oracle(backend, dtype, q, k, v, m, **opts):
 
 
 class TestNystromAttention:
-    @pytest.mark.parametrize("dtype", ["float32", "float64"])
-    @pytest.mark.parametrize("pinv", ["svd", "iterative"])
-    @pytest.mark.parametrize("norm", [None, 8.0])
+    @pytest.mark.parametrize("pinv,dtype,norm", [("svd", "float64", None),
+                                                 ("svd", "float32", 8.0),
+                                                 ("iterative", "float64", 8.0),
+                                                 ("iterative", "float32", None)])
     def test_matches_oracle(self, backend, rng, dtype, pinv, norm):
         # Uneven segments (23 = 2*4 + 5*3 queries, 29 keys), cross-attention, masks,
         # sharp inputs (norm 8 at d = 32) as well as Gaussians.
@@ -334,8 +335,8 @@ class TestGradients:
         get_backend("jax")
         import jax
         import jax.numpy as jnp
-        q, k, v = make_qkv(rng, batch=(), n=7, s=9, d=3, dv=2, norm=2.0)
-        w = rng.standard_normal((7, 2))
+        q, k, v = make_qkv(rng, batch=(), n=5, s=6, d=3, dv=2, norm=2.0)
+        w = rng.standard_normal((5, 2))
 
         def loss(qq, kk):
             return jnp.sum(nystrom_attention(qq, kk, jnp.asarray(v), num_landmarks=3) * w)
