@@ -160,8 +160,8 @@ def _check_query_mask(p, query_mask, q):
 def _landmarks(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, variant):
     """Shared front of both variants: validated, scaled working arrays and landmarks.
 
-    Returns ``wq`` (q times scale), ``wv``, ``qt`` (query landmarks, scaled), ``kt``
-    (key landmarks), ``qvalid``/``kvalid`` (``(..., m)`` booleans, ``None`` when no
+    Returns ``wq``, ``wv`` (working dtype), ``qt`` (query landmarks times scale), ``kt``
+    (key landmarks), ``kts`` (key landmarks times scale), ``qvalid``/``kvalid`` (``(..., m)`` booleans, ``None`` when no
     landmark can be empty) and ``bv = softmax(qt k^T) v`` ``(..., m, dv)`` (rows of
     empty query landmarks are 0; masked keys take no part).
     """
@@ -175,11 +175,13 @@ def _landmarks(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, varian
             f"s={p.s}; each landmark is the mean of at least one token (use m <= "
             f"{min(p.n, p.s)})")
     scale = check_scale(scale, p.d)
-    # The scale is folded into q once (O(n d)); since landmarks are means, qt carries it too.
-    wq = xp.astype(q, p.work_dtype, copy=False) * scale
+    # The scale is folded into the (m, d) landmarks, never into the (n, d) queries: every
+    # logit pairs a landmark with a token or with another landmark.
+    wq = xp.astype(q, p.work_dtype, copy=False)
     wk = xp.astype(k, p.work_dtype, copy=False)
     wv = xp.astype(v, p.work_dtype, copy=False)
     qt, qcount = _segment_means(xp, wq, m, query_mask)
+    qt = qt * scale
     kt, kcount = _segment_means(xp, wk, m, key_mask)
     qvalid = None if qcount is None else qcount > 0
     kvalid = None if kcount is None else kcount > 0
@@ -190,7 +192,7 @@ def _landmarks(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, varian
         rows = qvalid[..., None]
         allowed = rows if allowed is None else (rows & allowed)
     bv = attend(xp, qt @ xp.matrix_transpose(wk), wv, allowed)
-    return wq, wv, qt, kt, qvalid, kvalid, bv
+    return wq, wv, qt, kt, kt * scale, qvalid, kvalid, bv
 
 
 def _conv_skip(p, v, key_mask, conv_kernel):
@@ -318,7 +320,7 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
     if pinv_rtol is not None and pinv != "svd":
         raise ValueError("pinv_rtol applies to pinv='svd' only")
     xp = p.xp
-    wq, wv, qt, kt, qvalid, kvalid, bv = _landmarks(
+    wq, wv, qt, kt, kts, qvalid, kvalid, bv = _landmarks(
         p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
         query_mask=query_mask, variant="nystrom_attention")
     kcols = None if kvalid is None else kvalid[..., None, :]
@@ -331,7 +333,7 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
         z = _svd_pinv(xp, a, pinv_rtol)
     else:
         z = _iterative_pinv(xp, a, iters, pinv_init)
-    out = attend(xp, wq @ xp.matrix_transpose(kt), z @ bv, kcols)
+    out = attend(xp, wq @ xp.matrix_transpose(kts), z @ bv, kcols)
     if conv_kernel is not None:
         out = out + _conv_skip(p, v, key_mask, conv_kernel)
     return xp.astype(out, p.dtype, copy=False)
@@ -381,11 +383,11 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
     p = check_qkv(q, k, v)
     check_no_causal(causal, "landmark_attention", _NOT_CAUSAL)
     xp = p.xp
-    wq, wv, qt, kt, qvalid, kvalid, bv = _landmarks(
+    wq, wv, _, _, kts, qvalid, kvalid, bv = _landmarks(
         p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
         query_mask=query_mask, variant="landmark_attention")
     valid = kvalid if qvalid is None else (qvalid if kvalid is None else qvalid & kvalid)
-    out = attend(xp, wq @ xp.matrix_transpose(kt), bv,
+    out = attend(xp, wq @ xp.matrix_transpose(kts), bv,
                  None if valid is None else valid[..., None, :])
     return xp.astype(out, p.dtype, copy=False)
 
