@@ -392,38 +392,34 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
     return xp.astype(out, p.dtype, copy=False)
 
 
-register(Variant(
-    name="nystrom_iterative",
-    fn=nystrom_attention,
-    family="low_rank",
-    exact=False,
-    causal=False,
-    key_mask=True,
-    normalized=False,
-    defaults={"num_landmarks": 64, "pinv": "iterative"},
-    parameter="num_landmarks",
-    complexity="O((n + s) m d + m^3) time, O((n + s) m) memory",
-    citation="Xiong et al. 2021, Nyströmformer (AAAI); pinv: Razavi et al. 2014",
-    notes="rows sum to 1 only up to the pseudo-inverse residual ||I - AZ|| (6 iterations)",
-))
+def _register_nystrom(pinv: str, citation: str, notes: str) -> None:
+    # Neither record is ``normalized`` in the registry's sense (rows sum to 1 up to
+    # 16 s eps): the iterative rows only to the pinv residual ||I - AZ||, the SVD rows
+    # to ~eps * cond(A), and the landmark matrix of near-uniform attention has cond
+    # 1e4-1e5.  tests/test_nystrom.py checks both bounds.
+    register(Variant(
+        name=f"nystrom_{pinv}",
+        fn=nystrom_attention,
+        family="low_rank",
+        exact=False,
+        causal=False,
+        key_mask=True,
+        normalized=False,
+        defaults={"num_landmarks": 64, "pinv": pinv},
+        parameter="num_landmarks",
+        complexity="O((n + s) m d + m^3) time, O((n + s) m) memory",
+        citation=citation,
+        notes=notes,
+    ))
 
-register(Variant(
-    name="nystrom_svd",
-    fn=nystrom_attention,
-    family="low_rank",
-    exact=False,
-    causal=False,
-    key_mask=True,
-    # Rows sum to 1 only to ~eps * cond(A), and the landmark matrix of near-uniform
-    # attention has cond 1e4-1e5: above the registry's 16 s eps for some seeds.
-    normalized=False,
-    defaults={"num_landmarks": 64, "pinv": "svd"},
-    parameter="num_landmarks",
-    complexity="O((n + s) m d + m^3) time, O((n + s) m) memory",
-    citation="Xiong et al. 2021, Nyströmformer (AAAI)",
-    notes="exact SVD pseudo-inverse (cutoff m*eps); equals exact attention when m = n = s; "
-          "rows sum to 1 to ~eps * cond(landmark matrix)",
-))
+
+_register_nystrom(
+    "iterative", "Xiong et al. 2021, Nyströmformer (AAAI); pinv: Razavi et al. 2014",
+    "6 iterations; rows sum to 1 only up to the pseudo-inverse residual ||I - AZ||")
+_register_nystrom(
+    "svd", "Xiong et al. 2021, Nyströmformer (AAAI)",
+    "exact SVD pseudo-inverse (cutoff m*eps); equals exact attention when m = n = s; "
+    "rows sum to 1 to ~eps * cond(landmark matrix)")
 
 register(Variant(
     name="landmark",
