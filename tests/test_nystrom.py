@@ -21,6 +21,7 @@ from arrayattn.testing import xp_assert_close, xp_assert_kind
 import nystrom_oracle as O
 from conftest import get_backend, make_qkv
 from oracle import softmax_attention as exact_oracle
+from strategies import attention_problems
 from tolerances import attention_atol, round_to, working_eps
 from test_linalg import skip_jax_compile
 
@@ -179,6 +180,28 @@ class TestNystromAttention:
         if cond <= 1e4:
             bound = min(bound, 1e-10 * max(np.abs(v).max(), 1.0))
         np.testing.assert_allclose(out, ref, rtol=0, atol=bound)
+
+    @given(problem=attention_problems(masks=True), data=st.data())
+    def test_robust_over_shapes_masks_and_extreme_logits(self, problem, data):
+        # Shapes (n != s, broadcasting batches), key masks with empty rows, logits up to
+        # 1e4: always finite; landmark attention equals its oracle, and Nyström with the
+        # SVD too whenever its landmark matrix is well-conditioned.
+        q, k, v = problem["q"], problem["k"], problem["v"]
+        km = problem.get("key_mask")
+        m = data.draw(st.integers(1, min(q.shape[-2], k.shape[-2])), label="m")
+        for pinv in ("svd", "iterative"):
+            out = nystrom_attention(q, k, v, num_landmarks=m, pinv=pinv, key_mask=km)
+            assert np.isfinite(out).all()
+        out = landmark_attention(q, k, v, num_landmarks=m, key_mask=km)
+        ref = O.landmark_attention(q, k, v, m, key_mask=km)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=4 * attention_atol("float64", q, k, v))
+        F, A, B = O.nystrom_factors(q, k, m, key_mask=km)
+        Z = O.pinvs(A, "svd")
+        amp = _amplification(A, Z)
+        if amp < 1e6:
+            out = nystrom_attention(q, k, v, num_landmarks=m, pinv="svd", key_mask=km)
+            np.testing.assert_allclose(out, F @ Z @ B @ v, rtol=0,
+                                       atol=attention_atol("float64", q, k, v) * (1 + amp))
 
     def test_iterative_converges_to_exact_as_iters_grow(self, np_backend, rng):
         backend = np_backend  # a property of the algorithm; backends: test_matches_oracle
