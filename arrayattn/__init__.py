@@ -12,6 +12,8 @@ from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
 from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
                      feature_attention_step, linear_attention, linear_attention_state,
                      linear_attention_step)
+from .linalg import pinv
+from .nystrom import landmark_attention, nystrom_attention, segment_means
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,5 @@ __all__ = [
     "LinearAttentionState", "feature_attention", "feature_attention_step",
     "linear_attention", "linear_attention_state", "linear_attention_step",
     "efficient_attention",
+    "pinv", "segment_means", "nystrom_attention", "landmark_attention",
 ]
