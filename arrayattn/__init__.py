@@ -6,6 +6,14 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
 from .exact import softmax_attention
+from .lsh import lsh_attention, lsh_buckets, lsh_rotations
+from .luna import luna_attention
+from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
+from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
+                     feature_attention_step, linear_attention, linear_attention_state,
+                     linear_attention_step)
+from .linalg import pinv
+from .nystrom import landmark_attention, nystrom_attention, segment_means
 from .linformer import linformer_attention, linformer_projection
 from .sparse import (BlockLayout, bigbird_layout, block_layout, fixed_layout, local_attention,
                      local_layout, longformer_layout, sparse_attention, strided_layout)
@@ -16,6 +24,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants",
     "softmax_attention",
+    "lsh_attention", "lsh_buckets", "lsh_rotations",
+    "luna_attention",
+    "FeatureMap", "get_feature_map", "taylor_feature_map",
+    "LinearAttentionState", "feature_attention", "feature_attention_step",
+    "linear_attention", "linear_attention_state", "linear_attention_step",
+    "efficient_attention",
+    "pinv", "segment_means", "nystrom_attention", "landmark_attention",
     "linformer_attention", "linformer_projection",
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",

@@ -27,7 +27,9 @@ def _one(impl: str, n: int, heads: int, d: int, block: int, repeats: int) -> dic
     import arrayattn
 
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((heads, n, d), dtype=np.float32) for _ in range(3))
+    # (batch, heads, n, d): torch's SDPA picks its fused flash kernel on CPU only for 4-D
+    # inputs; with 3-D (heads, n, d) it falls back to the math path that materialises n x n.
+    q, k, v = (rng.standard_normal((1, heads, n, d), dtype=np.float32) for _ in range(3))
     if impl == "torch_sdpa":
         import torch
         torch.set_num_threads(os.cpu_count() or 1)
