@@ -6,10 +6,13 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
 from .exact import softmax_attention
+from .random_features import RandomFeatures, estimate_kernel, kernel_variance
+from .performer import performer_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants",
     "softmax_attention",
+    "RandomFeatures", "estimate_kernel", "kernel_variance", "performer_attention",
 ]
