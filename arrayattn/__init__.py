@@ -6,6 +6,10 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
 from .exact import softmax_attention
+from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
+from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
+                     feature_attention_step, linear_attention, linear_attention_state,
+                     linear_attention_step)
 from .random_features import RandomFeatures, estimate_kernel, kernel_variance
 from .performer import performer_attention
 
@@ -14,5 +18,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants",
     "softmax_attention",
+    "FeatureMap", "get_feature_map", "taylor_feature_map",
+    "LinearAttentionState", "feature_attention", "feature_attention_step",
+    "linear_attention", "linear_attention_state", "linear_attention_step",
+    "efficient_attention",
     "RandomFeatures", "estimate_kernel", "kernel_variance", "performer_attention",
 ]
