@@ -207,7 +207,8 @@ class RandomFeatures:
 
     def on(self, xp, *, dtype, device):
         """``omega`` as an ``xp`` array of ``dtype`` on ``device``."""
-        return xp_from_host(xp, self.omega, dtype=dtype, device=device)
+        # A writable copy: some libraries (torch) warn on read-only buffers.
+        return xp_from_host(xp, np.array(self.omega), dtype=dtype, device=device)
 
     def __repr__(self) -> str:
         return (f"RandomFeatures(m={self.m}, d={self.d}, projection={self.projection!r}, "
