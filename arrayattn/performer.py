@@ -166,6 +166,8 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
     wq = xp.astype(q, p.work_dtype, copy=False)
     wk = xp.astype(k, p.work_dtype, copy=False)
     wv = xp.astype(v, p.work_dtype, copy=False)
+    if key_mask is not None:  # padded values may hold inf/NaN: 0 * inf would leak
+        wv = xp.where(xp.expand_dims(key_mask, axis=-1), wv, 0.0)
     phi_q, phi_k = performer_features(xp, wq, wk, omega, kind=kind, scale=scale,
                                       causal=causal, key_mask=key_mask)
     # eps=0: only a zero denominator (no visible key) gives zeros; nothing is added.
