@@ -56,13 +56,23 @@ def attention_tol(dtype, q, k, v, omega, *, m, cond, causal, scale=None):
     return eps * np.abs(v).max() * cond * (2 * (2 * d * a + 2 * m + 8) + s + 4)
 
 
+def backend_problem(rng):
+    """The one problem shape of the backend tests (JAX compiles once per shape)."""
+    q, k, v = make_qkv(rng, batch=(2,), n=37, s=45, d=8, dv=3, norm=3.0)
+    km = rng.random((2, 45)) < 0.8
+    km[:, 0] = True
+    return q, k, v, km
+
+
 class TestPerformerAttention:
     @pytest.mark.parametrize("kind", KINDS)
     @pytest.mark.parametrize("causal", [False, True])
     @pytest.mark.parametrize("dtype", ["float32", "float64"])
     def test_matches_oracle(self, backend, rng, kind, causal, dtype):
-        q, k, v = make_qkv(rng, batch=(2,), n=37, s=45, d=8, dv=3, norm=3.0)
-        km = rng.random((2, 45)) < 0.8
+        if backend.name == "jax" and dtype == "float32":
+            pytest.skip("jax compiles every op per dtype (~1 s each here); float32 on jax "
+                        "is covered by test_registry and test_future_key_never_changes_past")
+        q, k, v, km = backend_problem(rng)
         f = RandomFeatures.draw(8, 20, seed=3)
         ref, cond = oracle_performer(q, k, v, f.omega, kind=kind, causal=causal, key_mask=km)
         out = performer_attention(*(backend.asarray(x, dtype) for x in (q, k, v)),
@@ -118,19 +128,23 @@ class TestPerformerAttention:
         np.testing.assert_allclose(a, ref, rtol=rel, atol=0)
 
     @pytest.mark.parametrize("kind", KINDS)
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
     def test_future_key_never_changes_past(self, backend, rng, kind):
         # One huge future key (norm 1e4: its raw features are inf/0) and wild values:
-        # every past output is unchanged bit for bit, on every backend.
-        q, k, v = make_qkv(rng, batch=(2,), n=100, s=100, d=8, dv=3, norm=3.0)
+        # every past output is unchanged bit for bit, on every backend.  s - n = 8, so
+        # key 40 is in the future of queries 0..31.
+        q, k, v, _ = backend_problem(rng)
         k2, v2 = k.copy(), v.copy()
-        k2[:, 70] *= 1e4 / 3.0
-        v2[:, 70:] = 1e6
-        k2[:, 90:] = -k2[:, 90:] * 50
+        k2[:, 40] *= 1e4 / 3.0
+        v2[:, 40:] = 1e6
+        k2[:, 43:] = -k2[:, 43:] * 50
         run = lambda kk, vv: performer_attention(  # noqa: E731
             *(backend.asarray(x, "float32") for x in (q, kk, vv)), kind=kind,
-            num_features=32, causal=True)
+            num_features=20, causal=True)
         a, b = run(k, v), run(k2, v2)
-        xp_assert_equal(a[:, :70, :], b[:, :70, :])
+        xp_assert_equal(a[:, :32, :], b[:, :32, :])
+        assert not np.array_equal(backend.to_numpy(a[:, 32:, :]),
+                                  backend.to_numpy(b[:, 32:, :]))
         assert np.isfinite(backend.to_numpy(a)).all()
 
     @pytest.mark.parametrize("kind", KINDS)
@@ -166,10 +180,9 @@ class TestPerformerAttention:
         assert np.all(out[1] == 0) and np.all(out[0] != 0)
 
     def test_features_replay_and_uniform_call(self, backend, rng):
-        q, k, v = (backend.asarray(x, "float32")
-                   for x in make_qkv(rng, batch=(2,), n=9, s=9, d=4))
-        drawn = performer_attention(q, k, v, num_features=16, seed=7, projection="iid")
-        f = RandomFeatures.draw(4, 16, projection="iid", seed=7)
+        q, k, v = (backend.asarray(x, "float32") for x in backend_problem(rng)[:3])
+        drawn = performer_attention(q, k, v, num_features=20, seed=7, projection="iid")
+        f = RandomFeatures.draw(8, 20, projection="iid", seed=7)
         xp_assert_equal(performer_attention(q, k, v, features=f), drawn)
         xp_assert_equal(performer_attention(q, k, v, features=f.omega), drawn)
         rec = arrayattn.get_variant("performer_positive")
