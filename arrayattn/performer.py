@@ -30,49 +30,118 @@ from __future__ import annotations
 
 import math
 
+import array_api_compat
+
 from ._validate import (check_choice, check_key_mask, check_positive_int, check_qkv,
                         check_scale)
-from .random_features import (FEATURE_KINDS, NORMS, PROJECTIONS, RandomFeatures, _exponents,
-                              _parts, _project, as_features)
+from .random_features import FEATURE_KINDS, NORMS, PROJECTIONS, RandomFeatures, as_features
 from .kernel import feature_attention
 from .registry import Variant, register
 
 __all__ = ["performer_attention", "performer_features"]
 
 
+#: Stands in for +inf in sums that go through a matmul: ``exp(-_BIG) == 0`` exactly in every
+#: float dtype, and BLAS never sees an inf (``0 * inf`` would give NaN).
+_BIG = 1e30
+
+
+def _in_place_ok(xp) -> bool:
+    """Whether in-place updates of *our own* temporaries are safe and worth it.
+
+    NumPy and CuPy have no autograd and pay a page-faulting allocation per temporary of
+    ``(n, m)``; torch (autograd saves tensors), JAX (immutable) and others get the
+    functional form.
+    """
+    return array_api_compat.is_numpy_namespace(xp) or array_api_compat.is_cupy_namespace(xp)
+
+
+def _exp_shifted(xp, a, shift=None):
+    """``exp(a - shift)`` for a temporary ``a`` that this module owns (it may be consumed)."""
+    if _in_place_ok(xp):
+        if shift is not None:
+            a -= shift
+        return xp.exp(a, out=a)
+    return xp.exp(a if shift is None else a - shift)
+
+
+def _rows(xp, omega, kind: str, root: float):
+    """The projection rows of the features, ``W (m', d)`` with ``x̃·ω = x·W``, and per row
+    the causal shift ``‖ω_f‖²/2`` (exp kinds) or the phase (trig: ``cos t = sin(t + π/2)``).
+
+    positive: ``W = ω``; hyperbolic: ``[ω; -ω]`` (gives ``[P, -P]`` from one matmul);
+    trig: ``[ω; ω]`` with phases ``[0, π/2]`` (``[sin P, cos P]`` from one ``sin``).
+    """
+    w = omega * root
+    if kind == "trig":
+        m = omega.shape[0]
+        zero = xp.zeros((m,), dtype=omega.dtype, device=array_api_compat.device(omega))
+        return xp.concat([w, w]), xp.concat([zero, zero + math.pi / 2])
+    hw = xp.sum(omega * omega, axis=-1) / 2
+    if kind == "hyperbolic":
+        return xp.concat([w, -w]), xp.concat([hw, hw])
+    return w, hw
+
+
+def _augment(xp, x, *cols):
+    """``[x, c_1, c_2, ...]`` along the last axis; a Python float ``c`` is a constant column."""
+    parts = [x]
+    for c in cols:
+        if isinstance(c, float):
+            c = xp.full((*x.shape[:-1], 1), c, dtype=x.dtype,
+                        device=array_api_compat.device(x))
+        parts.append(c)
+    return xp.concat(parts, axis=-1)
+
+
 def performer_features(xp, q, k, omega, *, kind: str, scale: float, causal: bool,
                        key_mask=None):
     """Stabilised features ``(φq (..., n, m'), φk (..., s, m'))`` for attention.
 
-    ``φq_i·φk_j = c_i C exp(scale q_i·k_j)``-estimate with a per-query factor ``c_i`` and a
-    global ``C``, both of which cancel in the attention ratio (module docstring).  Masked
-    keys get all-zero features.  ``q, k`` are in the working dtype; ``omega (m, d)`` too.
+    ``φq_i·φk_j = c_i C K̂_ij`` with ``K̂`` the random-feature estimate of
+    ``exp(scale q_i·k_j)``, a per-query factor ``c_i`` and a global ``C`` (both cancel in
+    the attention ratio; module docstring).  Masked keys get all-zero features.  ``q, k``
+    and ``omega (m, d)`` are in the working dtype.  Every additive term of an exponent is
+    folded into the projection matmul as an extra column (``[k, h_k, 1] @ [W, -1, -c]^T``),
+    so the features cost one matmul and at most three elementwise passes per side.
     """
-    m = omega.shape[0]
+    root = math.sqrt(abs(scale))
     sign = -1.0 if scale < 0 else 1.0
+    w, extra = _rows(xp, omega, kind, root)
+    wt = xp.matrix_transpose
+    m2 = w.shape[0]
+    hk = xp.sum(k * k, axis=-1, keepdims=True) * (abs(scale) / 2)   # ‖k̃‖²/2
     if key_mask is not None:
         keep = xp.expand_dims(key_mask, axis=-1)
-        k = xp.where(keep, k, 0.0)  # padding may hold anything, even inf
-    pq = _project(xp, q, omega, scale, sign=sign)
-    pk = _project(xp, k, omega, scale)
-    dead = -xp.inf
-    if causal and kind != "trig":
-        hw = xp.sum(omega * omega, axis=-1) / 2          # ‖ω_f‖²/2, data-independent
-        c = xp.concat([hw, hw]) if kind == "hyperbolic" else hw
-        aq = _exponents(xp, pq, kind) + c
-        phi_q = xp.exp(aq - xp.max(aq, axis=-1, keepdims=True))
-        hk = pk.h if key_mask is None else xp.where(keep, pk.h, -dead)
-        phi_k = xp.exp(_exponents(xp, pk, kind) - (hk + c))  # = exp(-‖k̃ ∓ ω_f‖²/2)
-        return phi_q, phi_k
-    phi_q, _ = _parts(xp, pq, kind, m)
-    bk, lk = _parts(xp, pk, kind, m)
-    if key_mask is not None:
-        lk = xp.where(keep, lk, dead)
-    if causal:  # trig: exp(‖k̃‖²/2) has no data-independent bound; left unshifted
-        return phi_q, bk * xp.exp(lk)
-    top = xp.max(lk, axis=-2, keepdims=True)
-    top = xp.where(top == dead, 0.0, top)
-    return phi_q, bk * xp.exp(lk - top)
+        k = xp.where(keep, k, 0.0)  # padding may hold anything, even inf or NaN
+        hk = xp.where(keep, hk, _BIG if kind != "trig" else -xp.inf)
+    if kind == "trig":
+        # φ(x) ∝ exp(‖x̃‖²/2) [sin, cos](ω·x̃): the query factor cancels; the key factor
+        # is divided by its max over the (unmasked) keys -- not causal-safe, so causal
+        # trig keeps it unshifted (finite while ‖k̃‖² < 2 log(max float)).
+        phase = xp.reshape(extra, (m2, 1))
+        phi_q = xp.sin(_augment(xp, q, 1.0) @ wt(_augment(xp, w * sign, phase)))
+        sk = xp.sin(_augment(xp, k, 1.0) @ wt(_augment(xp, w, phase)))
+        if not causal:
+            top = xp.max(hk, axis=-2, keepdims=True)
+            hk = hk - xp.where(top == -xp.inf, 0.0, top)
+        return phi_q, sk * xp.exp(hk)
+    c = xp.reshape(extra, (m2, 1))           # ‖ω_f‖²/2 per feature row
+    if causal:
+        # Keys: ω·k̃ - ‖k̃‖²/2 - ‖ω‖²/2 = -‖k̃ - ω‖²/2 <= 0 depends on that key alone;
+        # queries carry +‖ω‖²/2 and are divided by their own row max.
+        aq = _augment(xp, q, 1.0) @ wt(_augment(xp, w * sign, c))
+        ak = _augment(xp, k, hk, 1.0) @ wt(_augment(xp, w, -1.0, -c))
+        phi_k = _exp_shifted(xp, ak)
+    else:
+        aq = q @ wt(w * sign)
+        ak = _augment(xp, k, hk) @ wt(_augment(xp, w, -1.0))
+        # One shift for all keys of a sequence; floored so that an all-masked sequence
+        # (every exponent ~ -_BIG) keeps all-zero features.
+        top = xp.maximum(xp.max(ak, axis=(-2, -1), keepdims=True), -_BIG / 2)
+        phi_k = _exp_shifted(xp, ak, top)
+    phi_q = _exp_shifted(xp, aq, xp.max(aq, axis=-1, keepdims=True))
+    return phi_q, phi_k
 
 
 def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="positive",
