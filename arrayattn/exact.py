@@ -242,7 +242,7 @@ register(Variant(
     key_mask=True,
     mask=True,
     normalized=True,
-    defaults={"block_size": 256},
+    defaults={"block_size": 512},
     parameter="block_size",
     complexity="O(n s d) time, O((n + s) d + block^2) memory",
     citation="Dao et al. 2022, FlashAttention; Dao 2023, FlashAttention-2",
