@@ -10,7 +10,7 @@ from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
 from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
                      feature_attention_step, linear_attention, linear_attention_state,
                      linear_attention_step)
-from .random_features import RandomFeatures, estimate_kernel, kernel_variance
+from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
 from .performer import performer_attention
 
 __version__ = "0.1.0"
@@ -22,5 +22,6 @@ __all__ = [
     "LinearAttentionState", "feature_attention", "feature_attention_step",
     "linear_attention", "linear_attention_state", "linear_attention_step",
     "efficient_attention",
-    "RandomFeatures", "estimate_kernel", "kernel_variance", "performer_attention",
+    "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
+    "performer_attention",
 ]

@@ -31,10 +31,13 @@ from __future__ import annotations
 import math
 
 import array_api_compat
+import numpy as np
 
 from ._validate import (check_choice, check_key_mask, check_positive_int, check_qkv,
                         check_scale)
-from .random_features import FEATURE_KINDS, NORMS, PROJECTIONS, RandomFeatures, as_features
+from .random_features import (EXP_KINDS, NORMS, PROJECTIONS, FeatureRows, RandomFeatures,
+                              _apply_g, as_features, check_kind, feature_rows,
+                              resolve_gerf_a)
 from .kernel import feature_attention
 from .registry import Variant, register
 
@@ -65,77 +68,85 @@ def _exp_shifted(xp, a, shift=None):
     return xp.exp(a if shift is None else a - shift)
 
 
-def _rows(xp, omega, kind: str, root: float):
-    """The projection rows of the features, ``W (m', d)`` with ``x̃·ω = x·W``, and per row
-    the causal shift ``‖ω_f‖²/2`` (exp kinds) or the phase (trig: ``cos t = sin(t + π/2)``).
-
-    positive: ``W = ω``; hyperbolic: ``[ω; -ω]`` (gives ``[P, -P]`` from one matmul);
-    trig: ``[ω; ω]`` with phases ``[0, π/2]`` (``[sin P, cos P]`` from one ``sin``).
-    """
-    w = omega * root
-    if kind == "trig":
-        m = omega.shape[0]
-        zero = xp.zeros((m,), dtype=omega.dtype, device=array_api_compat.device(omega))
-        return xp.concat([w, w]), xp.concat([zero, zero + math.pi / 2])
-    hw = xp.sum(omega * omega, axis=-1) / 2
-    if kind == "hyperbolic":
-        return xp.concat([w, -w]), xp.concat([hw, hw])
-    return w, hw
-
-
 def _augment(xp, x, *cols):
-    """``[x, c_1, c_2, ...]`` along the last axis; a Python float ``c`` is a constant column."""
-    parts = [x]
+    """``[x, c_1, c_2, ...]`` along the last axis (batch dims broadcast); a Python float
+    ``c`` is a constant column."""
+    batch = tuple(x.shape[:-1])
+    for c in cols:
+        if not isinstance(c, float):
+            batch = tuple(np.broadcast_shapes(batch, tuple(c.shape[:-1])))
+    parts = [xp.broadcast_to(x, (*batch, x.shape[-1]))]
     for c in cols:
         if isinstance(c, float):
-            c = xp.full((*x.shape[:-1], 1), c, dtype=x.dtype,
-                        device=array_api_compat.device(x))
-        parts.append(c)
+            c = xp.full((*batch, 1), c, dtype=x.dtype, device=array_api_compat.device(x))
+        parts.append(xp.broadcast_to(c, (*batch, c.shape[-1])))
     return xp.concat(parts, axis=-1)
 
 
-def performer_features(xp, q, k, omega, *, kind: str, scale: float, causal: bool,
+def _col(xp, v):
+    """A per-row vector ``(..., m')`` as a column ``(..., m', 1)``."""
+    return xp.expand_dims(v, axis=-1)
+
+
+def performer_features(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
                        key_mask=None):
     """Stabilised features ``(φq (..., n, m'), φk (..., s, m'))`` for attention.
 
-    ``φq_i·φk_j = c_i C K̂_ij`` with ``K̂`` the random-feature estimate of
-    ``exp(scale q_i·k_j)``, a per-query factor ``c_i`` and a global ``C`` (both cancel in
-    the attention ratio; module docstring).  Masked keys get all-zero features.  ``q, k``
-    and ``omega (m, d)`` are in the working dtype.  Every additive term of an exponent is
-    folded into the projection matmul as an extra column (``[k, h_k, 1] @ [W, -1, -c]^T``),
-    so the features cost one matmul and at most three elementwise passes per side.
+    ``φq_i·φk_j = c_i C K̂_ij`` with ``K̂`` the random-feature estimate of the kernel, a
+    per-query factor ``c_i`` and a global ``C`` (both cancel in the attention ratio; module
+    docstring).  Masked keys get all-zero features.  ``q, k`` are in the working dtype;
+    ``rows`` from :func:`arrayattn.random_features.feature_rows`.  Every additive term of
+    an exponent is folded into the projection matmul as an extra column
+    (``[k, ‖k̃‖²/2, 1] @ [W, -1, a - c]^T``), so the features cost one matmul and at most
+    three elementwise passes per side.
     """
-    root = math.sqrt(abs(scale))
-    sign = -1.0 if scale < 0 else 1.0
-    w, extra = _rows(xp, omega, kind, root)
+    kind, w = rows.kind, rows.w
     wt = xp.matrix_transpose
-    m2 = w.shape[0]
-    hk = xp.sum(k * k, axis=-1, keepdims=True) * (abs(scale) / 2)   # ‖k̃‖²/2
+    if scale < 0:
+        q = -q
+    exp_kind = kind in EXP_KINDS
+    if exp_kind or kind == "trig":
+        hk = xp.sum(k * k, axis=-1, keepdims=True) * (abs(scale) / 2)  # ‖k̃‖²/2
     if key_mask is not None:
         keep = xp.expand_dims(key_mask, axis=-1)
         k = xp.where(keep, k, 0.0)  # padding may hold anything, even inf or NaN
-        hk = xp.where(keep, hk, _BIG if kind != "trig" else -xp.inf)
-    if kind == "trig":
-        # φ(x) ∝ exp(‖x̃‖²/2) [sin, cos](ω·x̃): the query factor cancels; the key factor
-        # is divided by its max over the (unmasked) keys -- not causal-safe, so causal
-        # trig keeps it unshifted (finite while ‖k̃‖² < 2 log(max float)).
-        phase = xp.reshape(extra, (m2, 1))
-        phi_q = xp.sin(_augment(xp, q, 1.0) @ wt(_augment(xp, w * sign, phase)))
-        sk = xp.sin(_augment(xp, k, 1.0) @ wt(_augment(xp, w, phase)))
-        if not causal:
-            top = xp.max(hk, axis=-2, keepdims=True)
-            hk = hk - xp.where(top == -xp.inf, 0.0, top)
-        return phi_q, sk * xp.exp(hk)
-    c = xp.reshape(extra, (m2, 1))           # ‖ω_f‖²/2 per feature row
+        if exp_kind:
+            hk = xp.where(keep, hk, _BIG)
+        elif kind == "trig":
+            hk = xp.where(keep, hk, -xp.inf)
+    if not exp_kind:
+        if kind == "trig":
+            # φ(x) ∝ exp(‖x̃‖²/2) [sin, cos](ω·x̃): the query factor cancels; the key
+            # factor is divided by its max over the (unmasked) keys -- not causal-safe, so
+            # causal trig keeps it unshifted (finite while ‖k̃‖² < 2 log(max float)).
+            phase = _col(xp, rows.a)
+            phi_q = xp.sin(_augment(xp, q, 1.0) @ wt(_augment(xp, w, phase)))
+            sk = xp.sin(_augment(xp, k, 1.0) @ wt(_augment(xp, w, phase)))
+            if not causal:
+                top = xp.max(hk, axis=-2, keepdims=True)
+                hk = hk - xp.where(top == -xp.inf, 0.0, top)
+            return phi_q, sk * xp.exp(hk)
+        # generalized kernels f(ω·x̃): nothing to stabilise (the constant m^-1/2 cancels)
+        phi_q, phi_k = _apply_g(xp, rows, q @ wt(w)), _apply_g(xp, rows, k @ wt(w))
+        if key_mask is not None:
+            phi_k = xp.where(keep, phi_k, 0.0)
+        return phi_q, phi_k
+    a = rows.a
     if causal:
-        # Keys: ω·k̃ - ‖k̃‖²/2 - ‖ω‖²/2 = -‖k̃ - ω‖²/2 <= 0 depends on that key alone;
-        # queries carry +‖ω‖²/2 and are divided by their own row max.
-        aq = _augment(xp, q, 1.0) @ wt(_augment(xp, w * sign, c))
-        ak = _augment(xp, k, hk, 1.0) @ wt(_augment(xp, w, -1.0, -c))
+        # Keys: a_f + B ω_f·k̃ - ‖k̃‖²/2 - c_f = -‖k̃ - B ω_f‖²/2 <= 0 depends on that key
+        # alone; queries carry +c_f and are divided by their own row max.
+        cq = rows.c if a is None else a + rows.c
+        ck = -rows.c if a is None else a - rows.c
+        aq = _augment(xp, q, 1.0) @ wt(_augment(xp, w, _col(xp, cq)))
+        ak = _augment(xp, k, hk, 1.0) @ wt(_augment(xp, w, -1.0, _col(xp, ck)))
         phi_k = _exp_shifted(xp, ak)
     else:
-        aq = q @ wt(w * sign)
-        ak = _augment(xp, k, hk) @ wt(_augment(xp, w, -1.0))
+        if a is None:
+            aq = q @ wt(w)
+            ak = _augment(xp, k, hk) @ wt(_augment(xp, w, -1.0))
+        else:
+            aq = _augment(xp, q, 1.0) @ wt(_augment(xp, w, _col(xp, a)))
+            ak = _augment(xp, k, hk, 1.0) @ wt(_augment(xp, w, -1.0, _col(xp, a)))
         # One shift for all keys of a sequence; floored so that an all-masked sequence
         # (every exponent ~ -_BIG) keeps all-zero features.
         top = xp.maximum(xp.max(ak, axis=(-2, -1), keepdims=True), -_BIG / 2)
@@ -146,7 +157,7 @@ def performer_features(xp, q, k, omega, *, kind: str, scale: float, causal: bool
 
 def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="positive",
                         projection="orthogonal", norms="chi", seed=0, scale=None,
-                        causal=False, key_mask=None):
+                        causal=False, key_mask=None, gerf_a=None):
     r"""Performer attention: softmax attention through random features (FAVOR+).
 
     .. math::
@@ -172,11 +183,16 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
         projection is shared by every batch element and head.
     num_features : int
         ``m``, the number of random rows when ``features`` is not given.
-    kind : {"positive", "hyperbolic", "trig"}
+    kind : {"positive", "hyperbolic", "trig", "favor++", "relu"} or callable
         Feature map (see :func:`arrayattn.estimate_kernel`).  ``"hyperbolic"`` and
         ``"trig"`` use ``2m`` features.  ``"trig"`` features may be negative, so the
         denominator may be near zero or negative: never clamped here (that would bias).
-    projection : {"orthogonal", "iid"}
+        ``"favor++"``: GERF optimal positive features (Likhosherstov et al. 2022) with
+        ``A = gerf_a`` or the optimal ``A*`` of these inputs (:func:`arrayattn.gerf_parameter`),
+        much lower variance on large-norm inputs.  ``"relu"`` or a callable ``f``: the
+        generalized kernels ``f(ω·x̃)`` of the Performer paper (section 2.4; not an
+        estimate of softmax); with ``projection="identity"``, ``f(x̃)`` without projection.
+    projection : {"orthogonal", "iid", "identity"}
     norms : {"chi", "fixed", "quasi"}
     seed : int
         See :meth:`RandomFeatures.draw`.  Same seed, same output on every backend.
@@ -186,6 +202,10 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
         End-aligned causal attention (query ``i`` sees keys ``j <= i + s - n``).
     key_mask : boolean array, shape ``(..., s)``, optional
         ``True`` marks a real key; masked keys leave numerator *and* denominator.
+    gerf_a : float or array ``(..., 1, 1)``, optional
+        The GERF parameter ``A < 1/8`` of ``kind="favor++"``.  ``None``: the optimal
+        ``A*`` of ``q`` and the unmasked keys -- it depends on every key, so
+        ``causal=True`` requires an explicit ``gerf_a``.
 
     Returns
     -------
@@ -220,7 +240,7 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
     """
     p = check_qkv(q, k, v)
     check_key_mask(p, key_mask, q)
-    check_choice("kind", kind, tuple(FEATURE_KINDS))
+    kind = check_kind(kind)
     scale = check_scale(scale, p.d)
     if features is None:
         check_positive_int("num_features", num_features)
@@ -232,13 +252,16 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
         features = as_features(features, p.d)
     xp = p.xp
     omega = features.on(xp, dtype=p.work_dtype, device=p.device)
+    gerf_a = resolve_gerf_a(xp, kind, gerf_a, q, k, scale, key_mask, causal=causal,
+                            work_dtype=p.work_dtype, device=p.device)
+    rows = feature_rows(xp, omega, kind, scale, gerf_a=gerf_a)
     wq = xp.astype(q, p.work_dtype, copy=False)
     wk = xp.astype(k, p.work_dtype, copy=False)
     wv = xp.astype(v, p.work_dtype, copy=False)
     if key_mask is not None:  # padded values may hold inf/NaN: 0 * inf would leak
         wv = xp.where(xp.expand_dims(key_mask, axis=-1), wv, 0.0)
-    phi_q, phi_k = performer_features(xp, wq, wk, omega, kind=kind, scale=scale,
-                                      causal=causal, key_mask=key_mask)
+    phi_q, phi_k = performer_features(xp, wq, wk, rows, scale=scale, causal=causal,
+                                      key_mask=key_mask)
     # eps=0: only a zero denominator (no visible key) gives zeros; nothing is added.
     out = feature_attention(phi_q, phi_k, wv, causal=causal, eps=0.0)
     return xp.astype(out, p.dtype, copy=False)
@@ -258,18 +281,26 @@ _NOTES = ("omega= (an (m, d) matrix, e.g. a peer's projection loaded from an .np
           "drawn from num_features, projection, norms and seed. One projection is shared by "
           "all batch elements and heads.")
 
-for _kind, _extra in (
-        ("positive", "FAVOR+ positive features: unbiased, positive."),
-        ("hyperbolic", "2m features [exp(wx), exp(-wx)]: unbiased, positive, lower variance."),
+for _kind, _extra, _causal in (
+        ("positive", "FAVOR+ positive features: unbiased, positive.", True),
+        ("hyperbolic", "2m features [exp(wx), exp(-wx)]: unbiased, positive, lower variance.",
+         True),
         ("trig", "2m sin/cos features: unbiased kernel but may be negative; the denominator "
-                 "can be near zero or negative on large-norm inputs.")):
+                 "can be near zero or negative on large-norm inputs.", True),
+        ("favor++", "FAVOR++ (Likhosherstov et al. 2022, Chefs' Random Tables): GERF positive "
+                    "features with the variance-optimal A* of the inputs; unbiased, far lower "
+                    "error than FAVOR+ at large norms. Causal only with an explicit gerf_a= "
+                    "(A* depends on every key).", False),
+        ("relu", "Generalized kernel relu(w.x)/sqrt(m) (Performer paper sec. 2.4): not an "
+                 "estimate of softmax; projection='identity' gives relu(x) without "
+                 "projection.", True)):
     register(Variant(
-        name=f"performer_{_kind}",
+        name=f"performer_{_kind.replace('++', 'pp')}",
         fn=performer_attention,
         call=_uniform_call,
         family="random_features",
         exact=False,
-        causal=True,
+        causal=_causal,
         key_mask=True,
         normalized=True,
         defaults={"kind": _kind, "num_features": 256, "projection": "orthogonal",
@@ -277,6 +308,8 @@ for _kind, _extra in (
         parameter="num_features",
         random=True,
         complexity="O((n + s) m d) time, O((n + s) m) memory",
-        citation="Choromanski et al. 2020, Rethinking Attention with Performers (ICLR 2021)",
+        citation="Choromanski et al. 2020, Rethinking Attention with Performers (ICLR 2021)"
+                 + ("; Likhosherstov et al. 2022, Chefs' Random Tables (NeurIPS 2022)"
+                    if _kind == "favor++" else ""),
         notes=f"{_extra} {_NOTES}",
     ))
