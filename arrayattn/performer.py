@@ -182,7 +182,8 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
         given, ``num_features``, ``projection``, ``norms`` and ``seed`` are ignored.  One
         projection is shared by every batch element and head.
     num_features : int
-        ``m``, the number of random rows when ``features`` is not given.
+        ``m``, the number of random rows when ``features`` is not given (ignored with
+        ``projection="identity"``, where ``m = d``).
     kind : {"positive", "hyperbolic", "trig", "favor++", "relu"} or callable
         Feature map (see :func:`arrayattn.estimate_kernel`).  ``"hyperbolic"`` and
         ``"trig"`` use ``2m`` features.  ``"trig"`` features may be negative, so the
@@ -193,6 +194,7 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
         generalized kernels ``f(ω·x̃)`` of the Performer paper (section 2.4; not an
         estimate of softmax); with ``projection="identity"``, ``f(x̃)`` without projection.
     projection : {"orthogonal", "iid", "identity"}
+        ``"identity"``: no random projection (``ω = I_d``).
     norms : {"chi", "fixed", "quasi"}
     seed : int
         See :meth:`RandomFeatures.draw`.  Same seed, same output on every backend.
@@ -246,8 +248,8 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
         check_positive_int("num_features", num_features)
         check_choice("projection", projection, PROJECTIONS)
         check_choice("norms", norms, NORMS)
-        features = RandomFeatures.draw(p.d, num_features, projection=projection,
-                                       norms=norms, seed=seed)
+        m = p.d if projection == "identity" else num_features  # no projection: m = d
+        features = RandomFeatures.draw(p.d, m, projection=projection, norms=norms, seed=seed)
     else:
         features = as_features(features, p.d)
     xp = p.xp

@@ -16,13 +16,18 @@ from oracle import allowed_matrix
 from oracle import softmax_attention as exact_oracle
 from test_random_features import exponent_bound, oracle_features
 
-KINDS = ["positive", "hyperbolic", "trig"]
+KINDS = ["positive", "hyperbolic", "trig", "favor++", "relu"]
+
+
+def _kind_opts(kind):
+    """Extra options per kind: favor++ with a fixed A (the data A* is tested separately)."""
+    return {"gerf_a": -0.2} if kind == "favor++" else {}
 F64 = float(np.finfo(np.float64).eps)
 F32 = float(np.finfo(np.float32).eps)
 
 
 def oracle_performer(q, k, v, omega, *, kind="positive", scale=None, causal=False,
-                     key_mask=None):
+                     key_mask=None, gerf_a=None):
     """Dense float64 Performer attention from the unstabilised features.
 
     Returns the output and ``cond = max_i sum_j |K_ij| / |sum_j K_ij|`` (1 for positive
@@ -31,8 +36,8 @@ def oracle_performer(q, k, v, omega, *, kind="positive", scale=None, causal=Fals
     d = q.shape[-1]
     scale = 1 / math.sqrt(d) if scale is None else scale
     sign = -1.0 if scale < 0 else 1.0
-    kmat = oracle_features(q, omega, kind, scale, sign) @ np.swapaxes(
-        oracle_features(k, omega, kind, scale), -1, -2)
+    kmat = oracle_features(q, omega, kind, scale, sign, gerf_a) @ np.swapaxes(
+        oracle_features(k, omega, kind, scale, 1.0, gerf_a), -1, -2)
     n, s = q.shape[-2], k.shape[-2]
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     allowed = allowed_matrix(n, s, batch=batch, causal=causal, key_mask=key_mask)
@@ -43,16 +48,17 @@ def oracle_performer(q, k, v, omega, *, kind="positive", scale=None, causal=Fals
     return out, cond
 
 
-def attention_tol(dtype, q, k, v, omega, *, m, cond, causal, scale=None):
+def attention_tol(dtype, q, k, v, omega, *, m, cond, causal, scale=None, gerf_a=None):
     """Rounding bound: each kernel term has relative error <= eps (2 d A + 2 m + 8) (A the
     largest exponent, incl. the causal shift ‖ω‖²/2), the ratio over s keys adds s + 4,
     and cancellation in the denominator multiplies by cond."""
     eps = F32 if dtype in ("float32", "float16") else F64
     d, s = q.shape[-1], k.shape[-2]
     scale = 1 / math.sqrt(d) if scale is None else scale
-    a = exponent_bound(q, omega, scale) + exponent_bound(k, omega, scale)
+    a = exponent_bound(q, omega, scale, gerf_a) + exponent_bound(k, omega, scale, gerf_a)
     if causal:
-        a += np.max(np.sum(omega ** 2, axis=1))
+        g = 0.0 if gerf_a is None else gerf_a
+        a += np.max(np.sum(omega ** 2, axis=1)) * (1 - 4 * g + 2 * abs(g))
     return eps * np.abs(v).max() * cond * (2 * (2 * d * a + 2 * m + 8) + s + 4)
 
 
@@ -74,11 +80,13 @@ class TestPerformerAttention:
                         "is covered by test_registry and test_future_key_never_changes_past")
         q, k, v, km = backend_problem(rng)
         f = RandomFeatures.draw(8, 20, seed=3)
-        ref, cond = oracle_performer(q, k, v, f.omega, kind=kind, causal=causal, key_mask=km)
+        opts = _kind_opts(kind)
+        ref, cond = oracle_performer(q, k, v, f.omega, kind=kind, causal=causal, key_mask=km,
+                                     **opts)
         out = performer_attention(*(backend.asarray(x, dtype) for x in (q, k, v)),
                                   features=f, kind=kind, causal=causal,
-                                  key_mask=backend.asarray(km))
-        tol = attention_tol(dtype, q, k, v, f.omega, m=20, cond=cond, causal=causal)
+                                  key_mask=backend.asarray(km), **opts)
+        tol = attention_tol(dtype, q, k, v, f.omega, m=20, cond=cond, causal=causal, **opts)
         xp_assert_close(out, backend.asarray(ref, dtype), rtol=0, atol=tol)
 
     @pytest.mark.parametrize("n, s", [(20, 12), (12, 20), (65, 65), (1, 7)])
@@ -87,10 +95,11 @@ class TestPerformerAttention:
         # End-aligned causality with n != s, chunk boundaries (65 = 64 + 1), one query.
         q, k, v = make_qkv(rng, batch=(2, 1), n=n, s=s, d=4, dv=2, norm=2.0)
         f = RandomFeatures.draw(4, 8, seed=1)
-        ref, cond = oracle_performer(q, k, v, f.omega, kind=kind, causal=True)
-        out = performer_attention(q, k, v, features=f, kind=kind, causal=True)
+        opts = _kind_opts(kind)
+        ref, cond = oracle_performer(q, k, v, f.omega, kind=kind, causal=True, **opts)
+        out = performer_attention(q, k, v, features=f, kind=kind, causal=True, **opts)
         np.testing.assert_allclose(out, ref, rtol=0, atol=attention_tol(
-            "float64", q, k, v, f.omega, m=8, cond=cond, causal=True))
+            "float64", q, k, v, f.omega, m=8, cond=cond, causal=True, **opts))
         if n > s:
             assert np.all(out[..., : n - s, :] == 0)  # queries before every key
 
@@ -140,7 +149,7 @@ class TestPerformerAttention:
         k2[:, 43:] = -k2[:, 43:] * 50
         run = lambda kk, vv: performer_attention(  # noqa: E731
             *(backend.asarray(x, "float32") for x in (q, kk, vv)), kind=kind,
-            num_features=20, causal=True)
+            num_features=20, causal=True, **_kind_opts(kind))
         a, b = run(k, v), run(k2, v2)
         xp_assert_equal(a[:, :32, :], b[:, :32, :])
         assert not np.array_equal(backend.to_numpy(a[:, 32:, :]),
@@ -157,8 +166,9 @@ class TestPerformerAttention:
         k2[~km] = 1e6
         k2[0, ~km[0]] = np.nan
         v2[~km] = np.inf
-        a = performer_attention(q, k, v, key_mask=km, kind=kind, causal=causal)
-        b = performer_attention(q, k2, v2, key_mask=km, kind=kind, causal=causal)
+        opts = _kind_opts(kind)
+        a = performer_attention(q, k, v, key_mask=km, kind=kind, causal=causal, **opts)
+        b = performer_attention(q, k2, v2, key_mask=km, kind=kind, causal=causal, **opts)
         assert np.isfinite(b).all()
         np.testing.assert_allclose(a, b, rtol=0, atol=0)
 
@@ -212,6 +222,55 @@ class TestPerformerAttention:
             performer_attention(q, k, v, norms="none")
         with pytest.raises(ValueError, match="key_mask"):
             performer_attention(q, k, v, key_mask=np.ones(3, dtype=bool))
+
+
+class TestFavorPlusPlusAndGeneralized:
+    def test_favorpp_data_parameter(self, rng):
+        # Default A = gerf_parameter(q, k, key_mask) per batch element; non-causal only.
+        q, k, v = make_qkv(rng, batch=(2,), n=20, s=24, d=8, dv=3, norm=4.0)
+        km = rng.random((2, 24)) < 0.7
+        km[:, 0] = True
+        f = RandomFeatures.draw(8, 32, seed=0)
+        out = performer_attention(q, k, v, features=f, kind="favor++", key_mask=km)
+        a = arrayattn.gerf_parameter(q, k, key_mask=km)
+        for b in range(2):
+            ref, cond = oracle_performer(q[b], k[b], v[b], f.omega, kind="favor++",
+                                         key_mask=km[b], gerf_a=float(a[b, 0, 0]))
+            np.testing.assert_allclose(out[b], ref, rtol=0, atol=attention_tol(
+                "float64", q, k, v, f.omega, m=32, cond=cond, causal=False,
+                gerf_a=float(a[b, 0, 0])))
+        # An array gerf_a per batch element gives the same result.
+        np.testing.assert_allclose(
+            performer_attention(q, k, v, features=f, kind="favor++", key_mask=km, gerf_a=a),
+            out, rtol=1e-13, atol=1e-13)
+        with pytest.raises(ValueError, match="causal"):
+            performer_attention(q, k, v, kind="favor++", causal=True)
+
+    def test_relu_without_projection_is_linear_attention(self, backend, rng):
+        # projection="identity": φ(x) = relu(x̃)/sqrt(d), the constants cancel: exactly the
+        # kernel module's linear attention with the relu feature map.
+        q, k, v, km = backend_problem(rng)
+        q, k, v = (backend.asarray(x, "float64") for x in (q, k, v))
+        for causal in (False, True):
+            out = performer_attention(q, k, v, kind="relu", projection="identity",
+                                      causal=causal, key_mask=backend.asarray(km))
+            ref = arrayattn.linear_attention(q, k, v, feature_map="relu", causal=causal,
+                                             key_mask=backend.asarray(km))
+            xp_assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+    def test_user_function(self, rng):
+        # A caller's elementwise f (array-API) as kind: f(t) = t², with and without
+        # projection, causal and not, equals the oracle of the same definition.
+        q, k, v = make_qkv(rng, batch=(2,), n=20, s=24, d=8, dv=3, norm=3.0)
+
+        def f(t):
+            return t * t
+        for feats in (RandomFeatures.draw(8, 16, seed=2),
+                      RandomFeatures.draw(8, 8, projection="identity")):
+            for causal in (False, True):
+                ref, cond = oracle_performer(q, k, v, feats.omega, kind=f, causal=causal)
+                out = performer_attention(q, k, v, features=feats, kind=f, causal=causal)
+                np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
 
 
 class TestPerformerStatistics:
