@@ -345,14 +345,10 @@ def gerf_parameter(q, k, /, *, scale=None, key_mask=None):
 
     .. math::
 
-        A^* = rac{1 - 2
-ho - \sqrt{(2
-ho + 1)^2 + 8
-ho}}{16},\qquad
-        
-ho = rac{1}{d\, n s}\sum_{i,j} \|	ilde q_i + 	ilde k_j\|^2
-             = rac{\overline{\|	ilde q\|^2} + \overline{\|	ilde k\|^2}
-               + 2\,ar{	ilde q}\cdotar{	ilde k}}{d}
+        A^* = \frac{1 - 2\rho - \sqrt{(2\rho + 1)^2 + 8\rho}}{16},\qquad
+        \rho = \frac{1}{d\, n s}\sum_{i,j} \|\tilde q_i + \tilde k_j\|^2
+             = \frac{\overline{\|\tilde q\|^2} + \overline{\|\tilde k\|^2}
+               + 2\,\bar{\tilde q}\cdot\bar{\tilde k}}{d}
 
     (computed in ``O((n + s) d)``; masked keys excluded).  ``A* <= 0``, with ``A* = 0``
     (plain FAVOR+) only when ``ρ = 0``.
