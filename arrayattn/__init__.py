@@ -12,6 +12,7 @@ from .kernel import (LinearAttentionState, efficient_attention, feature_attentio
                      linear_attention_step)
 from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
 from .performer import performer_attention
+from .rfa import rfa_attention
 
 __version__ = "0.1.0"
 
@@ -23,5 +24,5 @@ __all__ = [
     "linear_attention", "linear_attention_state", "linear_attention_step",
     "efficient_attention",
     "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
-    "performer_attention",
+    "performer_attention", "rfa_attention",
 ]
