@@ -81,14 +81,15 @@ def _ones_column(xp, x):
 def elu_plus_one(x):
     r""":math:`\operatorname{elu}(x) + 1 = x + 1` for :math:`x > 0`, :math:`e^x` otherwise (> 0)."""
     xp = xp_namespace(x)
-    # exp of the clipped input: the unused branch never overflows.
-    return xp.where(x > 0, x + 1.0, xp.exp(xp.minimum(x, xp.zeros_like(x))))
+    # exp(min(x, 0)) + max(x, 0): one branch is exactly 0 (x > 0: 1 + x; else e^x + 0),
+    # nothing overflows, and no boolean temporary is needed.
+    return xp.exp(xp.clip(x, max=0.0)) + xp.clip(x, min=0.0)
 
 
 def relu(x):
     r""":math:`\max(x, 0)`."""
     xp = xp_namespace(x)
-    return xp.where(x > 0, x, xp.zeros_like(x))
+    return xp.clip(x, min=0.0)
 
 
 def cosine_features(x):

@@ -90,14 +90,21 @@ class LinearAttentionState:
 # The augmented state is Sz = [S, z] of shape (..., m, dv + 1).
 # ---------------------------------------------------------------------------------------
 
-def _recurrent(xp, pq, pk, v1, sz0):
-    """The RNN recurrence ``Sz_t = Sz_{t-1} + phi(k_t) [v_t, 1]^T``, one token at a time."""
+def _recurrent(xp, pq, pk, v1, sz0, device):
+    """The RNN recurrence ``Sz_t = Sz_{t-1} + phi(k_t) [v_t, 1]^T``, one token at a time.
+
+    Token ``t`` is taken with an index *array* (``take``), not a static slice, so that a
+    library compiling each operation per static argument (JAX in eager mode) compiles
+    the step once, not once per token.
+    """
     sz = sz0
     outs = []
     for t in range(pq.shape[-2]):
-        sz = sz + pk[..., t, :, None] * v1[..., t, None, :]
-        outs.append((pq[..., t, None, :] @ sz)[..., 0, :])
-    return xp.stack(outs, axis=-2), sz
+        idx = xp.asarray([t], device=device)
+        kt, vt, qt = (xp.take(x, idx, axis=-2) for x in (pk, v1, pq))
+        sz = sz + xp.matrix_transpose(kt) @ vt          # outer product phi(k_t) [v_t, 1]^T
+        outs.append(qt @ sz)
+    return (outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)), sz
 
 
 def _cumsum(xp, pq, pk, v1, sz0):
@@ -132,8 +139,7 @@ def _chunked(xp, pq, pk, v1, sz0, chunk: int, device):
     before = xp.cumulative_sum(
         xp.concat([sz0[..., None, :, :], kv[..., :-1, :, :]], axis=-3), axis=-3)
     a = qc @ xp.matrix_transpose(kc)                         # (..., nc, c, c)
-    a = xp.where(xp.tril(xp.ones((c, c), dtype=xp.bool, device=device)), a,
-                 xp.zeros_like(a))
+    a = xp.where(xp.tril(xp.ones((c, c), dtype=xp.bool, device=device)), a, 0.0)
     num = qc @ before + a @ vc                               # (..., nc, c, dv+1)
     num = xp.reshape(num, (*batch, nc * c, dv1))[..., :n, :]
     return num, before[..., -1, :, :] + kv[..., -1, :, :]
@@ -156,7 +162,7 @@ def _causal(xp, pq, pk, v1, sz0, *, method, chunk, device):
     if pq.shape[-2] == 0:
         num, sz = None, sz0
     elif method == "recurrent":
-        num, sz = _recurrent(xp, pq, pk, v1, sz0)
+        num, sz = _recurrent(xp, pq, pk, v1, sz0, device)
     elif method == "cumsum":
         num, sz = _cumsum(xp, pq, pk, v1, sz0)
     else:
@@ -279,7 +285,7 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     pq = xp.astype(phi_q, wd, copy=False)
     pk = xp.astype(phi_k, wd, copy=False)
     if key_mask is not None:
-        pk = xp.where(key_mask[..., None], pk, xp.zeros_like(pk))
+        pk = xp.where(key_mask[..., None], pk, 0.0)
     wv = xp.astype(v, wd, copy=False)
     # Augment v with ones: the last output column is the denominator.
     v1 = xp.concat(
@@ -315,9 +321,8 @@ def _divide(xp, num, eps, wd):
             math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0 or None; got {eps!r}")
     den = num[..., -1:]
-    ok = xp.abs(den) > eps
-    out = num[..., :-1] / xp.where(ok, den, xp.ones_like(den))
-    return xp.where(ok, out, xp.zeros_like(out))
+    # A guarded row divides by +inf: finite / inf = 0 exactly, one where on (..., n, 1).
+    return num[..., :-1] / xp.where(xp.abs(den) > eps, den, xp.inf)
 
 
 def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
