@@ -1,34 +1,237 @@
-"""The ``arrayattn`` command line (also ``python -m arrayattn``)."""
+"""The ``arrayattn`` command line (also ``python -m arrayattn``).
+
+``arrayattn report``   every registered variant on a default workload, one row each;
+``arrayattn validate`` compare another implementation's output (an ``.npz`` file) with
+                       the float64 reference, per head.
+
+Exit codes of ``validate``: 0 match, 1 mismatch, 2 usage error or malformed file.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
+
+REQUIRED = ("q", "k", "v", "out")
+
+
+class UsageError(Exception):
+    """A bad command line or a malformed input file (exit code 2)."""
+
+
+def parse_option(text: str):
+    """``"key=value"`` -> ``(key, value)``, value parsed as bool, None, int, float or str.
+
+    >>> parse_option("num_features=64"), parse_option("causal=true")
+    (('num_features', 64), ('causal', True))
+    >>> parse_option("scale=0.125"), parse_option("kind=positive"), parse_option("x=none")
+    (('scale', 0.125), ('kind', 'positive'), ('x', None))
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise UsageError(f"--option expects key=value with a Python identifier as key; "
+                         f"got {text!r}")
+    raw = raw.strip()
+    low = raw.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    if low in ("none", "null"):
+        return key, None
+    for conv in (int, float):
+        try:
+            return key, conv(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def load_npz(path: str) -> dict:
+    """The arrays of ``path`` (an ``.npz`` with at least q, k, v, out); UsageError if not."""
+    import numpy as np
+
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot open ({exc.strerror or exc})") from None
+    if magic == b"\x93NUMPY":
+        raise UsageError(f"{path} is a single .npy array, not an .npz archive; save with "
+                         "numpy.savez(path, q=q, k=k, v=v, out=out)")
+    if not magic.startswith(b"PK"):
+        raise UsageError(f"{path} is not an .npz file (no zip signature at its start); "
+                         "save with numpy.savez(path, q=q, k=k, v=v, out=out)")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise UsageError(f"{path} is not a readable .npz file ({type(exc).__name__}: "
+                         f"{exc})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise UsageError(f"{path} is a single .npy array, not an .npz archive; save with "
+                         "numpy.savez(path, q=q, k=k, v=v, out=out)")
+    try:
+        arrays = {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise UsageError(f"{path}: an array cannot be read ({type(exc).__name__}: "
+                         f"{exc})") from None
+    finally:
+        data.close()
+    missing = [name for name in REQUIRED if name not in arrays]
+    if missing:
+        raise UsageError(f"{path} lacks array(s) {', '.join(missing)}; it holds "
+                         f"{', '.join(sorted(arrays)) or 'nothing'} (required: "
+                         f"{', '.join(REQUIRED)})")
+    for name in REQUIRED:
+        a = arrays[name]
+        if a.dtype.kind != "f":
+            raise UsageError(f"{path}: {name} must be a floating array; got dtype {a.dtype}")
+        if a.ndim < 2:
+            raise UsageError(f"{path}: {name} must have shape (..., tokens, features); got "
+                             f"{a.shape}")
+    return arrays
+
+
+def run_validate(path: str, variant: str, options=(), *, rtol=None, out=None,
+                 err=None) -> int:
+    """The ``validate`` command: print the per-head table and the verdict; exit code."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    from .registry import get_variant
+    from .testing import compare_to_reference
+
+    try:
+        rec = get_variant(variant)
+        params = dict(parse_option(o) for o in options)
+        arrays = load_npz(path)
+        extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
+        clash = sorted(set(extra) & set(params))
+        if clash:
+            raise UsageError(f"option(s) {', '.join(clash)} given both in {path} and with "
+                             "--option")
+        params.update(extra)
+        if rec.random and not extra:
+            print(f"note: {rec.name} is random and {path} holds no random matrix; the "
+                  "reference draws its own from the seed option", file=err)
+        try:
+            c = compare_to_reference(arrays["out"], rec, arrays["q"], arrays["k"],
+                                     arrays["v"], rtol=rtol, **params)
+        except (ValueError, TypeError) as exc:  # shapes, dtypes, options the variant rejects
+            raise UsageError(f"{path}: {exc}") from None
+        except Exception as exc:  # anything else the reference raised on these inputs
+            raise UsageError(f"{path}: the reference {rec.name} raised "
+                             f"{type(exc).__name__}: {exc}") from None
+    except UsageError as exc:
+        print(f"arrayattn validate: error: {exc}", file=err)
+        return 2
+    except ValueError as exc:  # unknown variant
+        print(f"arrayattn validate: error: {exc}", file=err)
+        return 2
+    shown = {key: (f"array{tuple(val.shape)}" if hasattr(val, "shape") else val)
+             for key, val in params.items()}
+    print(f"{path}: {rec.name}, q {arrays['q'].shape}, k {arrays['k'].shape}, "
+          f"v {arrays['v'].shape}, out {arrays['out'].shape} {c.dtype}"
+          + (f", options {shown}" if shown else ""), file=out)
+    print(c.table(), file=out)
+    for note in c.notes:
+        print(f"note: {note}", file=err)
+    print(c.verdict(), file=out)
+    return 0 if c.ok else 1
+
+
+def _validate(args) -> int:
+    return run_validate(args.file, args.variant, args.option, rtol=args.rtol)
 
 
 def _report(args) -> int:
-    from .report import Workload, format_table, run_report
+    from ._backends import BackendUnavailable, get_array_backend
+    from .registry import get_variant
+    from .report import (CASES, Progress, Workload, format_table, plot_report, run_report,
+                         run_sweeps, sweep_steps, write_json)
 
     w = Workload(batch=args.batch, heads=args.heads, n=args.n, d=args.d, dtype=args.dtype,
-                 seed=args.seed)
-    names = None if not args.variants else args.variants.split(",")
-    print(f"arrayattn report: batch={w.batch} heads={w.heads} n={w.n} d={w.d} "
-          f"dtype={w.dtype} seed={w.seed} backend=numpy", file=sys.stderr)
-    print(format_table(run_report(w, names)))
+                 seed=args.seed, repeats=args.repeats, backend=args.backend)
+    names = None if not args.variants else [x.strip() for x in args.variants.split(",")
+                                            if x.strip()]
+    try:
+        for name in names or ():
+            get_variant(name)
+        for label, value in (("--n", w.n), ("--d", w.d), ("--heads", w.heads),
+                             ("--batch", w.batch), ("--repeats", w.repeats)):
+            if value < 1:
+                raise ValueError(f"{label} must be a positive integer; got {value}")
+        be = get_array_backend(w.backend, w.dtype)
+        if args.plot:
+            import importlib
+            try:
+                importlib.import_module("matplotlib")
+            except ImportError:
+                raise ValueError("--plot needs matplotlib (pip install 'arrayattn[plot]')") \
+                    from None
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"arrayattn report: error: {exc}", file=sys.stderr)
+        return 2
+    from .registry import variants
+    count = len(names) if names else len(variants())
+    print(f"arrayattn report: {count} variant(s); batch={w.batch} heads={w.heads} n=s={w.n} "
+          f"d=dv={w.d} dtype={w.dtype} seed={w.seed} backend={w.backend} ({be.device}); "
+          f"cases: {', '.join(CASES)}", file=sys.stderr)
+    total = len(CASES) * count + (sweep_steps(w, names) if args.plot else 0)
+    prog = Progress(total, enabled=not args.quiet)
+    rows = run_report(w, names, progress=prog)
+    sweeps = run_sweeps(w, names, progress=prog) if args.plot else None
+    print(format_table(rows))
+    if args.json:
+        write_json(args.json, w, rows, sweeps)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot_report(rows, sweeps, args.plot, w)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="arrayattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="run every registered variant on a default workload")
-    rep.add_argument("--n", type=int, default=1024)
-    rep.add_argument("--d", type=int, default=64)
-    rep.add_argument("--heads", type=int, default=4)
-    rep.add_argument("--batch", type=int, default=1)
-    rep.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    rep = sub.add_parser(
+        "report", help="run every registered variant on a default workload",
+        description="Run every registered variant on a built-in workload (q, k, v of shape "
+        "(batch, heads, n, d), in a 'gaussian' case and a 'sharp' case: q, k rows of "
+        "norm 8, each query aligned with one key) and print one row per variant and case: relative error of the output vs "
+        "exact float64 attention, max row L1 error of the implied matrix (first head, "
+        "n <= 2048), worst row-sum deviation, median time, peak memory, approximation "
+        "parameter.")
+    from ._backends import BACKENDS, DTYPES
+    rep.add_argument("--backend", default="numpy", choices=BACKENDS)
+    rep.add_argument("--n", type=int, default=1024, help="tokens (n = s); default 1024")
+    rep.add_argument("--d", type=int, default=64, help="head dimension (d = dv); default 64")
+    rep.add_argument("--heads", type=int, default=2, help="default 2")
+    rep.add_argument("--batch", type=int, default=1, help="default 1")
+    rep.add_argument("--dtype", default="float32", choices=DTYPES)
     rep.add_argument("--seed", type=int, default=0)
-    rep.add_argument("--variants", default="", help="comma-separated registry names")
+    rep.add_argument("--repeats", type=int, default=3, help="timed calls per variant")
+    rep.add_argument("--variants", default="", help="comma-separated registry names "
+                     "(default: all registered)")
+    rep.add_argument("--json", metavar="FILE", help="write the raw numbers as JSON")
+    rep.add_argument("--plot", metavar="FILE.png", help="also sweep each variant's "
+                     "approximation parameter and n, and draw error vs approximation size "
+                     "and time vs n (needs matplotlib)")
+    rep.add_argument("--quiet", action="store_true", help="no progress bar")
     rep.set_defaults(func=_report)
+    val = sub.add_parser(
+        "validate", help="compare another implementation's output with the reference",
+        description="Compare the array 'out' of FILE.npz with arrayattn's float64 reference "
+        "of VARIANT on the file's q, k, v, per head. Other arrays in the file (random "
+        "matrices such as omega, e, f; masks) are passed as options of the same name. "
+        "Exit 0 match, 1 mismatch, 2 usage error or malformed file.")
+    val.add_argument("file", metavar="FILE.npz")
+    val.add_argument("--variant", required=True, help="registry name (arrayattn report lists them)")
+    val.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="a scalar option of the variant (int, float, true/false, none or "
+                     "a string); repeat for several")
+    val.add_argument("--rtol", type=float, default=None,
+                     help="override the derived tolerance: max-abs error per head "
+                     "relative to the head's largest reference entry")
+    val.set_defaults(func=_validate)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -49,6 +49,17 @@ class Variant:
         Whether ``n != s`` (cross-attention) is supported.
     notes : str
         Anything a user of the uniform call must know.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import get_variant
+    >>> rec = get_variant("softmax_blockwise")
+    >>> rec.family, rec.exact, rec.parameter, rec.parameter_value
+    ('exact', True, 'block_size', 512)
+    >>> q = k = v = np.ones((3, 4))
+    >>> rec(q, k, v, block_size=2).shape     # the uniform call; options override defaults
+    (3, 4)
     """
 
     name: str
@@ -86,7 +97,39 @@ _REGISTRY: dict[str, Variant] = {}
 
 
 def register(variant: Variant) -> Variant:
-    """Add ``variant`` to the registry (names are unique)."""
+    """Add ``variant`` to the registry (names are unique).
+
+    A variant module calls this once at import, so that tests, the report, the
+    benchmarks and the docs pick the variant up.
+
+    Parameters
+    ----------
+    variant : Variant
+        The record; its ``name`` must not be registered yet.
+
+    Returns
+    -------
+    Variant
+        ``variant`` itself.
+
+    Raises
+    ------
+    ValueError
+        When a variant of that name is already registered.
+
+    Examples
+    --------
+    >>> from arrayattn import Variant, get_variant, register, softmax_attention
+    >>> rec = Variant(name="softmax_block64", fn=softmax_attention, family="exact",
+    ...               exact=True, causal=True, key_mask=True, mask=True,
+    ...               defaults={"block_size": 64}, parameter="block_size",
+    ...               complexity="O(n s d)", citation="Dao et al. 2022")
+    >>> register(rec)  # doctest: +SKIP
+    >>> register(get_variant("softmax"))
+    Traceback (most recent call last):
+    ...
+    ValueError: a variant named 'softmax' is already registered
+    """
     if variant.name in _REGISTRY:
         raise ValueError(f"a variant named {variant.name!r} is already registered")
     _REGISTRY[variant.name] = variant
@@ -96,6 +139,17 @@ def register(variant: Variant) -> Variant:
 def variants(*, family: str | None = None, exact: bool | None = None,
              causal: bool | None = None) -> tuple[Variant, ...]:
     """All registered variants in registration order, optionally filtered.
+
+    Parameters
+    ----------
+    family : str, optional
+        Keep only this family (``"exact"``, ``"kernel"`` ...).
+    exact, causal : bool, optional
+        Keep only variants that are (not) exact, that do (not) support ``causal``.
+
+    Returns
+    -------
+    tuple of Variant
 
     Examples
     --------
@@ -118,7 +172,29 @@ def variants(*, family: str | None = None, exact: bool | None = None,
 def get_variant(name: str) -> Variant:
     """The registered variant called ``name``.
 
-    Raises ``ValueError`` listing the registered names when there is none.
+    Parameters
+    ----------
+    name : str or Variant
+        A registry name (a :class:`Variant` is returned as it is).
+
+    Returns
+    -------
+    Variant
+
+    Raises
+    ------
+    ValueError
+        Listing the registered names when there is none called ``name``.
+
+    Examples
+    --------
+    >>> from arrayattn import get_variant
+    >>> get_variant("softmax").citation
+    'Vaswani et al. 2017, Attention Is All You Need'
+    >>> get_variant("sofmax")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: no variant named 'sofmax'; registered: softmax, softmax_blockwise...
     """
     if isinstance(name, Variant):
         return name
@@ -137,6 +213,22 @@ def attention_matrix(fn, q, k, /, **options):
     an identity value matrix.  ``fn`` is a registry name, a :class:`Variant` or any
     callable ``fn(q, k, v, **options)``.  Meant for tests, docs and small ``s``: it
     costs ``s`` value columns.
+
+    Parameters
+    ----------
+    fn : str, Variant or callable
+        The variant.
+    q : array, shape ``(..., n, d)``
+        Queries.
+    k : array, shape ``(..., s, d)``
+        Keys.
+    **options
+        Passed to the variant.
+
+    Returns
+    -------
+    array, shape ``(..., n, s)``
+        Row ``i`` holds the weights query ``i`` gives to every key.
 
     Examples
     --------

@@ -1,49 +1,89 @@
 """``arrayattn report``: every registered variant on a default workload, one row each.
 
-The default workload (documented in the README and ``docs/report``): batch 1, 4 heads,
-n = s = 1024 tokens, d = dv = 64, float32, seed 0, in two cases --
+The default workload (documented in the README and ``docs/report.rst``): batch 1, 2 heads,
+n = s = 1024 tokens, d = dv = 64, float32, seed 0, on NumPy, in two cases --
 
-* ``gaussian``: q, k, v with i.i.d. N(0, 1) entries (logits q.k/sqrt(d) ~ N(0, 1));
-* ``sharp``: the same, with every q and k row rescaled to l2 norm 8 -- the norms of
-  trained BERT heads, where attention is peaked and approximations are put to the test.
+* ``gaussian``: q, k, v with i.i.d. N(0, 1) entries (logits q.k/sqrt(d) ~ N(0, 1):
+  diffuse attention);
+* ``sharp``: every q and k row of l2 norm 8 (the norms of trained BERT heads) *and* each
+  query aligned with one random key (cosine ~0.9), so that its logit there is ~7 against
+  an N(0, 1) background: peaked attention, where approximations are put to the test.
+  (Norm alone does not make attention sharp: random directions at d = 64 give
+  ``8 * 8 * cos / 8`` with ``cos ~ N(0, 1/64)``, logits ~ N(0, 1) again.)
+
+Every variant runs through its registry record with its default options, so a newly
+registered variant appears without any change here.  Columns:
+
+``rel. error``  ``||O - O*||_F / ||O*||_F``, O* exact softmax attention in float64 on the
+                same (rounded) inputs;
+``matrix err``  ``max_i ||a_i - a*_i||_1`` over the rows of the implied attention matrix of
+                the first head (``A = f(q, k, I)``), for n <= 2048: it bounds the error of
+                every output as ``|o_i - o*_i| <= ||a_i - a*_i||_1 max|v|``;
+``row-sum dev`` ``max_i |sum_j a_ij - 1|``, from one call with ``v = 1``;
+                (both matrix columns are ``-`` for a record with ``linear_in_v=False``,
+                whose weights depend on ``v``);
+``median ms``   median wall time of ``repeats`` calls after a warm-up call;
+``peak MiB``    peak memory of one call, measured by :mod:`tracemalloc` (NumPy and
+                array-api-strict) or the CUDA allocator (torch on a GPU); ``-`` where
+                it cannot be measured from Python;
+``parameter``   the approximation parameter and its default value.
 """
 from __future__ import annotations
 
+import json
+import math
+import platform
 import statistics
+import sys
 import time
 import tracemalloc
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .registry import variants
+from ._backends import get_array_backend
+from ._xp import to_numpy
+from .registry import attention_matrix, get_variant, variants
 
-__all__ = ["Workload", "make_inputs", "reference", "run_report", "format_table"]
+__all__ = ["Workload", "Row", "make_inputs", "reference", "run_report", "format_table",
+           "run_sweeps", "plot_report", "write_json"]
+
+CASES = {"gaussian": None, "sharp": 8.0}
+#: Sharp case: query i = normalise(k_j + SHARP_NOISE * g) * norm for a random key j.
+SHARP_NOISE = 0.5
+#: Above this n the implied matrix (n x s per head) is not formed.
+MATRIX_MAX_N = 2048
 
 
 @dataclass(frozen=True)
 class Workload:
+    """What the report runs: shapes, dtype, seed, backend and repetitions."""
+
     batch: int = 1
-    heads: int = 4
+    heads: int = 2
     n: int = 1024
     d: int = 64
     dtype: str = "float32"
     seed: int = 0
     repeats: int = 3
+    backend: str = "numpy"
 
 
-CASES = {"gaussian": None, "sharp": 8.0}
-
-
-def make_inputs(w: Workload, case: str):
+def make_inputs(w: Workload, case: str, n: int | None = None):
     """Host float64 ``q, k, v (batch, heads, n, d)`` for ``case`` (see module docstring)."""
+    n = w.n if n is None else n
     rng = np.random.default_rng(w.seed)
-    shape = (w.batch, w.heads, w.n, w.d)
+    shape = (w.batch, w.heads, n, w.d)
     q, k, v = (rng.standard_normal(shape) for _ in range(3))
     norm = CASES[case]
     if norm is not None:
-        q = q / np.linalg.norm(q, axis=-1, keepdims=True) * norm
-        k = k / np.linalg.norm(k, axis=-1, keepdims=True) * norm
+        def unit(x):
+            return x / np.linalg.norm(x, axis=-1, keepdims=True)
+        k = unit(k)
+        match = rng.integers(0, n, size=shape[:-1])           # the key each query finds
+        aligned = np.take_along_axis(k, match[..., None], axis=-2)
+        q = unit(aligned + SHARP_NOISE * unit(q)) * norm
+        k = k * norm
     return q, k, v
 
 
@@ -54,57 +94,348 @@ def reference(q, k, v):
     return (w / w.sum(axis=-1, keepdims=True)) @ v
 
 
+def _round(x, dtype):
+    """``x`` as the backend will see it, back in float64 (bfloat16 via float32 bits)."""
+    if dtype == "bfloat16":
+        bits = np.asarray(x, np.float32).view(np.uint32)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+        return bits.view(np.float32).astype(np.float64)
+    return np.asarray(x).astype(dtype).astype(np.float64)
+
+
 @dataclass
 class Row:
+    """One variant on one case."""
+
     variant: str
     case: str
-    parameter: str
-    rel_error: float
-    median_ms: float
-    peak_mib: float
+    family: str = ""
+    parameter: str = ""
+    rel_error: float | None = None
+    matrix_error: float | None = None
+    row_sum_dev: float | None = None
+    median_ms: float | None = None
+    peak_mib: float | None = None
+    error: str = ""
+    times_ms: list = field(default_factory=list)
 
 
-def _measure(rec, q, k, v, repeats):
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    base = tracemalloc.get_traced_memory()[0]
-    out = rec(q, k, v)
-    peak = tracemalloc.get_traced_memory()[1] - base
-    tracemalloc.stop()
+def _host(x):
+    return np.asarray(to_numpy(x), dtype=np.float64)
+
+
+def _timed(be, rec, q, k, v, repeats, **opts):
+    """Warm-up call (peak memory measured on it), then ``repeats`` timed calls."""
+    traced = be.memory == "tracemalloc"
+    if traced:
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+    be.reset_peak()
+    try:
+        out = rec(q, k, v, **opts)
+        be.sync(out)
+    finally:
+        if traced:
+            peak = tracemalloc.get_traced_memory()[1] - base
+            if not was_tracing:
+                tracemalloc.stop()
+    if not traced:
+        peak = be.peak_bytes()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        rec(q, k, v)
+        res = rec(q, k, v, **opts)
+        be.sync(res)
         times.append(time.perf_counter() - t0)
-    return out, statistics.median(times), peak
+    return out, times, peak
 
 
-def run_report(w: Workload = Workload(), names=None):
-    """Run every registered variant (or ``names``) on the workload; a list of rows."""
+class Progress:
+    """A progress bar on stderr (redrawn in place on a terminal, sparse lines otherwise)."""
+
+    def __init__(self, total: int, stream=None, width: int = 30, enabled: bool = True):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last_decile = -1
+
+    def step(self, label: str):
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        bar = "#" * int(frac * self.width)
+        line = f"[{bar:<{self.width}}] {self.done}/{self.total} {label}"
+        if self.tty:
+            self.stream.write("\r\x1b[K" + line[:120])
+            if self.done >= self.total:
+                self.stream.write("\n")
+        elif int(frac * 10) > self._last_decile or self.done >= self.total:
+            self._last_decile = int(frac * 10)
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _select(names):
+    if names is None:
+        return list(variants())
+    return [get_variant(n) for n in names]
+
+
+def parameter_default(rec):
+    """The value of ``rec.parameter`` in a uniform call: the record's default, else the
+    function's signature default (``None`` when neither says)."""
+    if rec.parameter is None:
+        return None
+    if rec.parameter_value is not None:
+        return rec.parameter_value
+    import inspect
+    try:
+        par = inspect.signature(rec.fn).parameters.get(rec.parameter)
+    except (TypeError, ValueError):
+        return None
+    if par is None or par.default is inspect.Parameter.empty:
+        return None
+    return par.default
+
+
+def _param_label(rec, value=None):
+    if rec.parameter is None:
+        return ""
+    value = parameter_default(rec) if value is None else value
+    return f"{rec.parameter}={value}"
+
+
+def run_report(w: Workload = Workload(), names=None, *, progress=None):
+    """Run every registered variant (or ``names``) on the workload; a list of :class:`Row`.
+
+    A variant that raises on the workload gets a row with the error message instead of
+    numbers; the report goes on.
+    """
+    be = get_array_backend(w.backend, w.dtype)
+    recs = _select(names)
+    prog = progress or Progress(len(CASES) * len(recs), enabled=False)
     rows = []
-    recs = [r for r in variants() if names is None or r.name in names]
     for case in CASES:
-        q64, k64, v64 = make_inputs(w, case)
-        ref = reference(q64, k64, v64)
-        q, k, v = (x.astype(w.dtype) for x in (q64, k64, v64))
+        host = [_round(x, w.dtype) for x in make_inputs(w, case)]
+        ref = reference(*host)
+        q, k, v = (be.asarray(x, w.dtype) for x in host)
+        ones = be.asarray(np.ones((*host[2].shape[:-1], 1)), w.dtype)
+        exact_a = None
+        if w.n <= MATRIX_MAX_N:
+            qa, ka = host[0][:1, :1, ...], host[1][:1, :1, ...]
+            exact_a = reference(qa, ka, np.eye(ka.shape[-2]))
         for rec in recs:
-            out, t, peak = _measure(rec, q, k, v, w.repeats)
-            err = float(np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref))
-            param = "" if rec.parameter is None else f"{rec.parameter}={rec.parameter_value}"
-            rows.append(Row(rec.name, case, param, err, t * 1e3, peak / 2**20))
+            row = Row(rec.name, case, rec.family, _param_label(rec))
+            try:
+                out, times, peak = _timed(be, rec, q, k, v, w.repeats)
+                o = _host(out)
+                row.rel_error = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+                row.times_ms = [t * 1e3 for t in times]
+                row.median_ms = statistics.median(row.times_ms)
+                row.peak_mib = None if peak is None else peak / 2**20
+                if not getattr(rec, "linear_in_v", True):
+                    pass  # no implied matrix: the weights depend on v
+                else:
+                    row.row_sum_dev = float(np.abs(_host(rec(q, k, ones)) - 1.0).max())
+                if exact_a is not None and getattr(rec, "linear_in_v", True):
+                    a = _host(attention_matrix(rec, q[:1, :1, ...], k[:1, :1, ...]))
+                    row.matrix_error = float(np.abs(a - exact_a).sum(axis=-1).max())
+            except Exception as exc:  # keep going: one broken variant must not hide the rest
+                row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            rows.append(row)
+            prog.step(f"{rec.name} ({case})")
     return rows
 
 
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
 def format_table(rows) -> str:
-    head = ["variant", "case", "parameter", "rel. error", "median ms", "peak MiB"]
-    body = [[r.variant, r.case, r.parameter, f"{r.rel_error:.2e}", f"{r.median_ms:.1f}",
-             f"{r.peak_mib:.1f}"] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(h.ljust(wd) for h, wd in zip(head, widths)),
+    """The report table (plain text, aligned columns)."""
+    head = ["variant", "case", "parameter", "rel. error", "matrix err", "row-sum dev",
+            "median ms", "peak MiB"]
+    body = []
+    for r in rows:
+        if r.error:
+            body.append([r.variant, r.case, r.parameter, "error: " + r.error])
+            continue
+        body.append([r.variant, r.case, r.parameter, _fmt(r.rel_error, ".2e"),
+                     _fmt(r.matrix_error, ".2e"), _fmt(r.row_sum_dev, ".1e"),
+                     _fmt(r.median_ms, ".1f"), _fmt(r.peak_mib, ".1f")])
+    widths = [max(len(row[i]) for row in [head] + [b for b in body if len(b) == len(head)])
+              for i in range(len(head))]
+    lines = ["  ".join(h.ljust(wd) for h, wd in zip(head, widths)).rstrip(),
              "  ".join("-" * wd for wd in widths)]
-    lines += ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)) for row in body]
+    for row in body:
+        lines.append("  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip())
     return "\n".join(lines)
 
 
 def rows_as_dicts(rows):
     return [asdict(r) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------
+# Sweeps for the plot: error vs approximation size, time vs n
+# ---------------------------------------------------------------------------------------
+
+SWEEP_FACTORS = (0.25, 0.5, 1.0, 2.0)
+SCALING_FACTORS = (0.25, 0.5, 1.0, 2.0)
+
+
+def sweep_values(rec, n: int):
+    """Values of ``rec.parameter`` around its default (x1/4 ... x2, within 1..n)."""
+    p0 = parameter_default(rec)
+    if rec.exact or not isinstance(p0, int) or isinstance(p0, bool) or p0 <= 0:
+        return []
+    return sorted({min(n, max(1, int(round(p0 * f)))) for f in SWEEP_FACTORS})
+
+
+def run_sweeps(w: Workload = Workload(), names=None, *, progress=None,
+               max_seconds: float = 5.0):
+    """Error vs approximation size (every approximate variant with an integer
+    ``parameter``) and time vs n (every variant, n = w.n x 1/4 ... x 2; a variant is not
+    run at larger n once a call took longer than ``max_seconds``)."""
+    be = get_array_backend(w.backend, w.dtype)
+    recs = _select(names)
+    prog = progress or Progress(1, enabled=False)
+    errors, scaling = [], []
+    for case in CASES:
+        host = [_round(x, w.dtype) for x in make_inputs(w, case)]
+        ref = reference(*host)
+        q, k, v = (be.asarray(x, w.dtype) for x in host)
+        for rec in recs:
+            for value in sweep_values(rec, w.n):
+                point = {"variant": rec.name, "case": case, "parameter": rec.parameter,
+                         "value": value}
+                try:
+                    o = _host(rec(q, k, v, **{rec.parameter: value}))
+                    point["rel_error"] = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+                except Exception as exc:
+                    point["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                errors.append(point)
+                prog.step(f"{rec.name} {rec.parameter}={value} ({case})")
+    ns = sorted({max(16, int(w.n * f)) for f in SCALING_FACTORS})
+    for rec in recs:
+        for n in ns:
+            host = make_inputs(w, "gaussian", n=n)
+            q, k, v = (be.asarray(x, w.dtype) for x in host)
+            point = {"variant": rec.name, "n": n}
+            try:
+                _, times, _ = _timed(be, rec, q, k, v, max(1, w.repeats))
+                point["median_ms"] = statistics.median(times) * 1e3
+                point["best_ms"] = min(times) * 1e3  # robust to a loaded machine
+            except Exception as exc:
+                point["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            scaling.append(point)
+            prog.step(f"{rec.name} n={n}")
+            if point.get("best_ms", 0.0) > max_seconds * 1e3:
+                break
+    return {"errors": errors, "scaling": scaling}
+
+
+def sweep_steps(w: Workload, names=None) -> int:
+    recs = _select(names)
+    ns = {max(16, int(w.n * f)) for f in SCALING_FACTORS}
+    return (len(CASES) * sum(len(sweep_values(r, w.n)) for r in recs)
+            + len(recs) * len(ns))
+
+
+def plot_report(rows, sweeps, path, w: Workload) -> None:
+    """Three panels: rel. error vs approximation size (gaussian, sharp), time vs n."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.2))
+    names = list(dict.fromkeys(r.variant for r in rows))
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    color = {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+    marker = {name: "osD^v<>"[(i // cmap.N) % 7] for i, name in enumerate(names)}
+    for ax, case in zip(axes[:2], CASES):
+        for name in names:
+            pts = [p for p in sweeps["errors"]
+                   if p["variant"] == name and p["case"] == case and "rel_error" in p]
+            if not pts:
+                continue
+            xs = [p["value"] for p in pts]
+            ys = [max(p["rel_error"], 1e-17) for p in pts]
+            ax.plot(xs, ys, "-", marker=marker[name], color=color[name])
+        for r in rows:  # exact variants: their error as a horizontal reference
+            if r.case == case and r.rel_error is not None and get_variant(r.variant).exact:
+                ax.axhline(max(r.rel_error, 1e-17), color=color[r.variant], ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ys = [y for line in ax.get_lines() for y in np.atleast_1d(line.get_ydata())]
+        if ys:  # the full range from rounding level to O(1), never a zoom on two lines
+            ax.set_ylim(min(ys) / 3, max(1.0, max(ys) * 3))
+        if not any(p["case"] == case and "rel_error" in p for p in sweeps["errors"]):
+            ax.set_xlim(4, 2 * w.n)
+            ax.text(0.5, 0.5, "no approximate variant with an\ninteger parameter selected",
+                    ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("approximation size (each variant's parameter)")
+        ax.set_ylabel("relative error of the output vs exact float64")
+        ax.set_title(f"error vs approximation size, {case} case (n={w.n}, d={w.d})")
+        ax.grid(True, which="both", alpha=0.3)
+    ax = axes[2]
+    for name in names:
+        pts = [p for p in sweeps["scaling"] if p["variant"] == name and "best_ms" in p]
+        if pts:
+            ls = "--" if get_variant(name).exact else "-"
+            ax.plot([p["n"] for p in pts], [p["best_ms"] for p in pts], ls,
+                    marker=marker[name], color=color[name])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length n (= s)")
+    ax.set_ylabel(f"best of {max(1, w.repeats)} calls [ms]")
+    ax.set_title(f"time vs n ({w.backend}, {w.dtype}, batch {w.batch} x {w.heads} heads)")
+    ax.grid(True, which="both", alpha=0.3)
+    # one legend for all panels (one colour per variant), outside the axes
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], color=color[name], marker=marker[name],
+                      ls="--" if get_variant(name).exact else "-",
+                      label=name + ("" if get_variant(name).parameter is None
+                                    or get_variant(name).exact
+                                    else f" ({get_variant(name).parameter})"))
+               for name in names]
+    fig.legend(handles=handles, loc="center right", fontsize=7, frameon=False)
+    fig.suptitle("arrayattn report: dashed = exact variants (horizontal lines: their error)",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine_info(backend: str) -> dict:
+    info = {"python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "numpy": np.__version__}
+    try:
+        import os
+        info["cpu_count"] = os.cpu_count()
+    except Exception:  # pragma: no cover
+        pass
+    if backend != "numpy":
+        try:
+            mod = __import__(backend)
+            info[backend] = getattr(mod, "__version__", "?")
+        except Exception:  # pragma: no cover
+            pass
+    return info
+
+
+def write_json(path, w: Workload, rows, sweeps=None) -> None:
+    """The raw numbers: workload, machine, one dict per row, sweeps if any."""
+    data = {"workload": asdict(w), "machine": machine_info(w.backend),
+            "rows": rows_as_dicts(rows)}
+    if sweeps is not None:
+        data["sweeps"] = sweeps
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1, default=lambda x: None if x is None or (
+            isinstance(x, float) and math.isnan(x)) else str(x))

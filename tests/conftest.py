@@ -159,17 +159,26 @@ def np_backend() -> Backend:
 # give unit Gaussians *and* "sharp" inputs with the norms of trained BERT heads.
 # ---------------------------------------------------------------------------------
 
-def make_qkv(rng, *, batch=(2,), n=16, s=None, d=8, dv=None, norm=None):
+def make_qkv(rng, *, batch=(2,), n=16, s=None, d=8, dv=None, norm=None, sharp=False):
     """Gaussian ``q (*batch, n, d)``, ``k (*batch, s, d)``, ``v (*batch, s, dv)`` (float64).
 
-    ``norm`` rescales every query and key row to that l2 norm (sharp attention when
-    ``norm`` is 6-10 at d = 32-64: logits q.k/sqrt(d) of order 5-15).
+    ``norm`` rescales every query and key row to that l2 norm (the norms of trained BERT
+    heads are 6-10 at d = 32-64).  Norms alone do not make attention sharp: with random
+    directions q.k/sqrt(d) ~ N(0, norm^4/d^2), i.e. N(0, 1) at norm 8, d = 64.  With
+    ``sharp=True`` each query is also aimed at one random key (cosine ~0.9), so that
+    key's logit is ~0.9 norm^2/sqrt(d) (7 at norm 8, d = 64) and a handful of keys carry
+    each row -- the peaked attention of trained heads.
     """
     s = n if s is None else s
     dv = d if dv is None else dv
     q = rng.standard_normal((*batch, n, d))
     k = rng.standard_normal((*batch, s, d))
     v = rng.standard_normal((*batch, s, dv))
+    if sharp:
+        target = rng.integers(0, s, size=(*batch, n))
+        aimed = np.take_along_axis(k, target[..., None], axis=-2)
+        aimed = aimed / np.linalg.norm(aimed, axis=-1, keepdims=True)
+        q = aimed + 0.5 * q / np.sqrt(d)
     if norm is not None:
         q = q / np.linalg.norm(q, axis=-1, keepdims=True) * norm
         k = k / np.linalg.norm(k, axis=-1, keepdims=True) * norm

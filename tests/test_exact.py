@@ -29,11 +29,19 @@ def _run(backend, dtype, q, k, v, **opts):
 
 
 class TestSoftmaxAttention:
+    def test_sharp_inputs_are_sharp(self, rng):
+        # Guard for the test inputs themselves: aimed queries give peaked rows.
+        q, k, v = make_qkv(rng, batch=(4,), n=64, s=64, d=64, norm=8.0, sharp=True)
+        a = oracle(q, k, np.eye(64))
+        assert np.median(a.max(axis=-1)) > 0.3
+        q, k, v = make_qkv(rng, batch=(4,), n=64, s=64, d=64, norm=8.0)
+        assert np.median(oracle(q, k, np.eye(64)).max(axis=-1)) < 0.2
+
     @pytest.mark.parametrize("dtype", ["float32", "float64"])
     @pytest.mark.parametrize("block_size", BLOCKS)
     @pytest.mark.parametrize("causal", [False, True])
     def test_matches_oracle(self, backend, rng, dtype, block_size, causal):
-        q, k, v = make_qkv(rng, batch=(2, 3), n=7, s=11, d=8, dv=5, norm=6.0)
+        q, k, v = make_qkv(rng, batch=(2, 3), n=7, s=11, d=8, dv=5, norm=6.0, sharp=True)
         km = rng.random((2, 1, 11)) < 0.7
         mask = rng.random((7, 11)) < 0.8
         out, ref, atol = _run(backend, dtype, q, k, v, causal=causal, key_mask=km,
@@ -92,7 +100,7 @@ class TestSoftmaxAttention:
             pytest.skip(f"{backend.name} has no bfloat16")
         if not hasattr(backend.xp, dtype):
             pytest.skip(f"{backend.name} has no {dtype}")
-        q, k, v = make_qkv(rng, batch=(2,), n=64, s=64, d=16, norm=6.0)
+        q, k, v = make_qkv(rng, batch=(2,), n=64, s=64, d=16, norm=6.0, sharp=True)
         out, ref, atol = _run(backend, dtype, q, k, v, causal=True)
         assert out.dtype == backend.dtype(dtype)
         # float32 arithmetic (atol) plus one rounding of the result to the half format.

@@ -1,0 +1,73 @@
+"""benchmarks/run.py on a tiny sweep: its outputs, the skip rule and the README update
+(not timing assertions: the numbers depend on the machine)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+import arrayattn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def run():
+    spec = importlib.util.spec_from_file_location("bench_run",
+                                                  os.path.join(ROOT, "benchmarks", "run.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_predict_extrapolates_the_measured_growth(run):
+    pts = [{"n": 100, "seconds": 1.0}, {"n": 200, "seconds": 4.0}]
+    assert run._predict(pts, "seconds", 400) == pytest.approx(16.0)  # quadratic
+    assert run._predict(pts[:1], "seconds", 300) == pytest.approx(9.0)  # assumed quadratic
+    lin = [{"n": 100, "seconds": 1.0}, {"n": 200, "seconds": 2.0}]
+    assert run._predict(lin, "seconds", 800) == pytest.approx(8.0)
+    assert run._predict([], "seconds", 10) is None
+
+
+def test_tiny_sweep_outputs(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "HERE", str(tmp_path))  # the README it updates
+    (tmp_path / "README.md").write_text(f"# B\n\n{run.MARK_BEGIN}\nold\n{run.MARK_END}\nkeep\n")
+    out = tmp_path / "results"
+    code = run.main(["--backends", "numpy,torch", "--n", "32,64", "--repeats", "1", "--matmul-size", "256",
+                     "--variants", "softmax,softmax_blockwise", "--out", str(out),
+                     "--update-readme", "--note", "test run"])
+    assert code == 0
+    data = json.loads((out / "run.json").read_text())
+    assert data["matmul_flops_per_s"]["numpy"] > 0
+    got = {(r["backend"], r["variant"], r["n"]) for r in data["results"]}
+    assert {("numpy", v, n) for v in ("softmax", "softmax_blockwise") for n in (32, 64)} <= got
+    numpy_pts = [r for r in data["results"] if r["backend"] == "numpy"]
+    assert all(r["seconds"] > 0 and r["peak_bytes"] > 0 and r["exact_equiv_fraction"] > 0
+               for r in numpy_pts)
+    if importlib.util.find_spec("torch"):
+        assert ("torch", "peer:torch.sdpa", 64) in got
+        torch_pts = [r for r in data["results"] if r["backend"] == "torch"]
+        assert all(r["memory"] in ("rss", "cuda") and r["peak_bytes"] >= 0
+                   for r in torch_pts)
+    md = (out / "run.md").read_text()
+    assert "| softmax | " in md and "test run" in md
+    assert (out / "run.png").read_bytes()[:4] == b"\x89PNG"
+    readme = (tmp_path / "README.md").read_text()
+    assert "old" not in readme and "| softmax | " in readme and readme.endswith("keep\n")
+
+
+def test_budget_skips_larger_n(run, tmp_path):
+    run.main(["--backends", "numpy", "--n", "32,64,128", "--repeats", "1", "--matmul-size", "256", "--variants",
+              "softmax", "--out", str(tmp_path), "--max-seconds", "1e-9"])
+    res = json.loads((tmp_path / "run.json").read_text())["results"]
+    assert "seconds" in res[0]
+    assert res[1]["skipped"].startswith("predicted ") and "> --max-seconds" in res[1]["skipped"]
+    assert res[2]["skipped"] == "n=64 was skipped"
+
+
+def test_every_registered_variant_is_benchmarked_by_default(run, tmp_path):
+    run.main(["--backends", "numpy", "--n", "16", "--repeats", "1", "--matmul-size", "256", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "run.json").read_text())["results"]
+    assert [r["variant"] for r in res] == [r.name for r in arrayattn.variants()]

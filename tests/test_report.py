@@ -1,0 +1,199 @@
+"""``arrayattn report``: the table, the JSON, the plot, the backends, the errors."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import arrayattn
+from arrayattn import Variant, registry, softmax_attention
+from arrayattn.cli import main
+from arrayattn.report import (CASES, Workload, make_inputs, reference, run_report,
+                              run_sweeps, sweep_values)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--n", "48", "--d", "16", "--heads", "2", "--repeats", "1"]
+
+
+def window_attention(q, k, v, *, window=8, **kw):
+    """A toy approximation for the sweeps: exact softmax inside a band |i - j| <= window."""
+    n, s = q.shape[-2], k.shape[-2]
+    band = np.abs(np.arange(n)[:, None] - np.arange(s)[None, :]) <= window
+    return softmax_attention(q, k, v, mask=band, **kw)
+
+
+def broken_attention(q, k, v, **kw):
+    raise RuntimeError("this variant is broken on purpose")
+
+
+@pytest.fixture
+def toy_variants(monkeypatch):
+    """Register two throw-away variants for the duration of a test only."""
+    common = dict(family="test", causal=False, key_mask=False, complexity="",
+                  citation="", exact=False)
+    for rec in (Variant(name="toy_window", fn=window_attention, defaults={"window": 8},
+                        parameter="window", **common),
+                Variant(name="toy_broken", fn=broken_attention, **common)):
+        monkeypatch.setitem(registry._REGISTRY, rec.name, rec)
+
+
+def table_rows(text):
+    return [ln.split() for ln in text.strip().splitlines()[2:]]
+
+
+class TestReportNumbers:
+    def test_columns_against_independent_computation(self):
+        w = Workload(n=40, d=8, heads=3, batch=2, dtype="float64", repeats=2)
+        rows = {(r.variant, r.case): r for r in run_report(w, ["softmax"])}
+        assert set(rows) == {("softmax", c) for c in CASES}
+        for case in CASES:
+            r = rows[("softmax", case)]
+            q, k, v = make_inputs(w, case)
+            # exact in float64: errors at rounding level, rows sum to 1
+            assert r.rel_error < 1e-14 and r.matrix_error < 1e-14 and r.row_sum_dev < 1e-14
+            assert len(r.times_ms) == 2 and r.median_ms > 0 and r.peak_mib > 0
+            # rel. error is ||O - O*|| / ||O*|| with O* the float64 reference
+            out = np.asarray(softmax_attention(q, k, v))
+            assert abs(np.linalg.norm(out - reference(q, k, v))
+                       / np.linalg.norm(reference(q, k, v)) - r.rel_error) < 1e-15
+
+    def test_sharp_case_has_bert_norms(self):
+        q, k, v = make_inputs(Workload(n=16, d=32), "sharp")
+        np.testing.assert_allclose(np.linalg.norm(q, axis=-1), 8.0)
+        np.testing.assert_allclose(np.linalg.norm(k, axis=-1), 8.0)
+        def top_weight(q, k):
+            logits = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            return np.median((w / w.sum(-1, keepdims=True)).max(-1))
+        w = Workload(n=1024, d=64, heads=1)
+        assert top_weight(*make_inputs(w, "sharp")[:2]) > 0.3      # peaked
+        assert top_weight(*make_inputs(w, "gaussian")[:2]) < 0.05  # diffuse
+        q, k, v = make_inputs(Workload(n=16, d=32), "gaussian")
+        assert abs(q.std() - 1) < 0.1
+
+    def test_approximation_errors_and_matrix_bound(self, toy_variants):
+        w = Workload(n=64, d=16, heads=2, repeats=1)
+        rows = {(r.variant, r.case): r for r in run_report(w, ["softmax", "toy_window"])}
+        for case in CASES:
+            exact, approx = rows[("softmax", case)], rows[("toy_window", case)]
+            assert exact.rel_error < 1e-5 and approx.rel_error > 1e-2
+            # |o_i - o*_i| <= ||a_i - a*_i||_1 max|v|: the matrix error is the larger
+            assert approx.matrix_error > 1e-2 and approx.row_sum_dev < 1e-5
+            assert approx.parameter == "window=8"
+
+    def test_not_linear_in_v_has_no_matrix(self, monkeypatch):
+        """A record with ``linear_in_v=False`` (weights depend on v) gets no implied
+        matrix and no row sums, but its output error."""
+        import dataclasses
+        kw = dict(name="toy_nonlinear", fn=window_attention, family="test", causal=False,
+                  key_mask=False, complexity="", citation="", exact=False)
+        if "linear_in_v" in {f.name for f in dataclasses.fields(Variant)}:
+            rec = Variant(linear_in_v=False, **kw)
+        else:  # the field comes with the LSH/Luna branch; the report reads it by getattr
+            class NotLinear(Variant):
+                linear_in_v = False
+            rec = NotLinear(**kw)
+        monkeypatch.setitem(registry._REGISTRY, rec.name, rec)
+        rows = run_report(Workload(n=32, d=8, heads=1, repeats=1), ["toy_nonlinear"])
+        assert all(r.matrix_error is None and r.row_sum_dev is None and r.rel_error > 0
+                   for r in rows)
+
+    def test_broken_variant_does_not_stop_the_report(self, toy_variants, capsys):
+        code = main(["report", *SMALL, "--variants", "toy_broken,softmax", "--quiet"])
+        out = capsys.readouterr().out
+        assert code == 0
+        assert "error: RuntimeError: this variant is broken on purpose" in out
+        assert sum(r[0] == "softmax" for r in table_rows(out)) == len(CASES)
+
+    def test_sweeps(self, toy_variants):
+        w = Workload(n=64, d=16, heads=1, repeats=1)
+        rec = arrayattn.get_variant("toy_window")
+        assert sweep_values(rec, 64) == [2, 4, 8, 16]
+        assert sweep_values(arrayattn.get_variant("softmax_blockwise"), 64) == []  # exact
+        # a parameter whose default is in the function's signature, not in the record
+        sig_only = Variant(name="sig_only", fn=window_attention, family="test",
+                           causal=False, key_mask=False, complexity="", citation="",
+                           exact=False, parameter="window")
+        assert sweep_values(sig_only, 64) == [2, 4, 8, 16]
+        sw = run_sweeps(w, ["softmax", "toy_window"])
+        errs = [p["rel_error"] for p in sw["errors"] if p["case"] == "sharp"]
+        assert len(errs) == 4 and errs == sorted(errs, reverse=True)  # wider band, smaller error
+        assert {p["n"] for p in sw["scaling"]} == {16, 32, 64, 128}
+
+
+class TestReportCommand:
+    def test_table_json_plot(self, tmp_path, capsys, toy_variants):
+        js, png = tmp_path / "r.json", tmp_path / "r.png"
+        code = main(["report", *SMALL, "--json", str(js), "--plot", str(png)])
+        cap = capsys.readouterr()
+        assert code == 0
+        names = [r.name for r in arrayattn.variants()]
+        rows = table_rows(cap.out)
+        assert [r[0] for r in rows] == names * len(CASES)
+        assert cap.out.splitlines()[0].split()[:4] == ["variant", "case", "parameter", "rel."]
+        # the progress bar goes to stderr and ends complete
+        assert re.search(r"\[#+\] (\d+)/\1 ", cap.err)
+        data = json.loads(js.read_text())
+        assert data["workload"]["n"] == 48 and data["machine"]["numpy"] == np.__version__
+        assert len(data["rows"]) == len(names) * len(CASES)
+        swept = {p["variant"] for p in data["sweeps"]["errors"]}
+        assert "toy_window" in swept
+        assert not any(arrayattn.get_variant(name).exact for name in swept)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
+
+    @pytest.mark.parametrize("backend", ["array_api_strict", "torch", "jax"])
+    def test_backends(self, backend, capsys):
+        pytest.importorskip(backend)
+        code = main(["report", *SMALL, "--backend", backend, "--variants", "softmax",
+                     "--quiet"])
+        cap = capsys.readouterr()
+        assert code == 0, cap.err
+        assert f"backend={backend}" in cap.err
+        for row in table_rows(cap.out):
+            assert float(row[2]) < 1e-5  # rel. error of exact softmax in float32
+
+    @pytest.mark.parametrize("argv, message", [
+        (["--backend", "numpy", "--dtype", "bfloat16"], "numpy has no bfloat16"),
+        (["--variants", "softmax,nope"], "no variant named 'nope'; registered: softmax"),
+        (["--n", "0"], "--n must be a positive integer"),
+    ])
+    def test_usage_errors(self, argv, message, capsys):
+        assert main(["report", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("arrayattn report: error: ") and message in err
+
+    def test_missing_backend_is_a_clear_error(self, capsys, monkeypatch):
+        """A backend that is not installed: exit 2 naming the package to install."""
+        import builtins
+        real_import = builtins.__import__
+
+        def fake_import(name, *args, **kwargs):
+            if name.split(".")[0] == "cupy":
+                raise ImportError("No module named 'cupy'")
+            return real_import(name, *args, **kwargs)
+        monkeypatch.setattr(builtins, "__import__", fake_import)
+        monkeypatch.delitem(sys.modules, "cupy", raising=False)
+        assert main(["report", "--backend", "cupy"]) == 2
+        err = capsys.readouterr().err
+        assert "backend 'cupy' needs the 'cupy' package, which is not installed" in err
+
+    def test_defaults_are_documented(self):
+        """The README and docs/report.rst state the default workload the code runs."""
+        w = Workload()
+        text = open(os.path.join(ROOT, "README.md")).read()
+        expect = (f"batch {w.batch}, {w.heads} heads, n = s = {w.n}, d = dv = {w.d}, "
+                  f"{w.dtype}, seed {w.seed}")
+        assert expect in " ".join(text.split())
+        docs = open(os.path.join(ROOT, "docs", "report.rst")).read()
+        assert expect in " ".join(docs.split())
+
+    def test_python_m_arrayattn_report(self):
+        res = subprocess.run([sys.executable, "-m", "arrayattn", "report", *SMALL],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        assert len(table_rows(res.stdout)) == len(arrayattn.variants()) * len(CASES)
