@@ -353,6 +353,15 @@ def gerf_parameter(q, k, /, *, scale=None, key_mask=None):
     (computed in ``O((n + s) d)``; masked keys excluded).  ``A* <= 0``, with ``A* = 0``
     (plain FAVOR+) only when ``ρ = 0``.
 
+    Parameters
+    ----------
+    q : array, shape ``(..., n, d)``
+    k : array, shape ``(..., s, d)``
+    scale : float, optional
+        ``None`` means ``1/sqrt(d)`` (``x̃ = sqrt(scale) x``).
+    key_mask : boolean array, shape ``(..., s)``, optional
+        Only the real keys enter the means.
+
     Returns
     -------
     array, shape ``(..., 1, 1)``

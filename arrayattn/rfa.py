@@ -107,7 +107,9 @@ def rfa_attention(q, k, v, /, *, num_features=128, sigma=1.0, seed=0, features=N
 
     Parameters
     ----------
-    q, k, v : arrays ``(..., n, d)``, ``(..., s, d)``, ``(..., s, dv)``
+    q : array, shape ``(..., n, d)``
+    k : array, shape ``(..., s, d)``
+    v : array, shape ``(..., s, dv)``
     num_features : int
         ``m`` random rows (``2m`` features).
     sigma : float
@@ -117,12 +119,12 @@ def rfa_attention(q, k, v, /, *, num_features=128, sigma=1.0, seed=0, features=N
         rows by default).
     causal : bool
         End-aligned causal attention.
-    gate : array ``(..., s)``, optional
+    gate : array, shape ``(..., s)``, optional
         ``g_t`` in ``(0, 1)`` per position (the caller's, e.g. a sigmoid of a learned
         projection).  Requires ``causal=True`` and ``n = s``.  Values are not checked
         (that would synchronise a GPU); ``g = 0`` keeps only the current token,
         ``g -> 1`` forgets nothing but also adds nothing.
-    key_mask : boolean array ``(..., s)``, optional
+    key_mask : boolean array, shape ``(..., s)``, optional
         Masked keys contribute nothing; with a gate they are skipped (their gate is taken
         as 1: no decay).
     chunk_size : int
@@ -130,7 +132,7 @@ def rfa_attention(q, k, v, /, *, num_features=128, sigma=1.0, seed=0, features=N
 
     Returns
     -------
-    array ``(..., n, dv)``
+    array, shape ``(..., n, dv)``
         In the namespace, dtype and device of ``q``.  Trig features may be negative: the
         denominator is not clamped (see the Performer docs page).
 
