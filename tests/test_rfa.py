@@ -73,6 +73,9 @@ class TestRFA:
 
     @pytest.mark.parametrize("chunk", [1, 7, 64])
     def test_gated_matches_recurrence(self, backend, rng, chunk):
+        if backend.name == "jax" and chunk < 64:
+            pytest.skip("eager JAX compiles each of the n / chunk steps (~1 s each here); "
+                        "chunk 64 runs on jax")
         q, k, v = make_qkv(rng, batch=(2,), n=45, s=45, d=8, dv=3)
         gate = rng.uniform(0.05, 0.99, size=(2, 45))
         km = rng.random((2, 45)) < 0.8
