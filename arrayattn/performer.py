@@ -17,14 +17,14 @@ Every factor that is removed from the features cancels in the ratio; nothing is 
 (no ``eps``: an ``eps`` floors small kernels and biases the estimate).
 
 * Non-causal: each query row is divided by its own largest feature (a per-row factor,
-  cancels), each key row ``φ(k_j) = exp(l_j) b_j`` (``b_j`` in ``[-1, 1]``) is scaled by
-  ``exp(-L)`` with one ``L = max_j l_j`` over the *unmasked* keys of the sequence (a
-  global factor, cancels).
+  cancels); every key feature by ``exp(L)``, ``L`` the largest key exponent over the
+  *unmasked* keys and all features of the sequence (one global factor, cancels).  For
+  trig features the key factor ``exp(‖k̃‖²/2)`` is divided by its maximum the same way.
 * Causal: a shift may not depend on other keys.  For the exponential maps
   ``ω_f·k̃ - ‖k̃‖²/2 <= ‖ω_f‖²/2`` for every ``k̃``, so the key features
   ``exp(ω_f·k̃ - ‖k̃‖²/2 - ‖ω_f‖²/2) = exp(-‖k̃ - ω_f‖²/2)`` lie in ``(0, 1]`` and depend on
   that key alone; the factor ``exp(‖ω_f‖²/2)`` moves to the query side, whose own row
-  maximum is then divided out.
+  maximum is then divided out.  (FAVOR++: the bound is ``A‖ω_f‖² + B²‖ω_f‖²/2``.)
 """
 from __future__ import annotations
 
