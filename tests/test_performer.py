@@ -302,3 +302,22 @@ class TestPerformerStatistics:
         for worse, better in ((pos, hyp), (hyp_iid, hyp)):
             gap = worse - better
             assert gap.mean() > 3 * gap.std(ddof=1) / math.sqrt(len(gap)), (worse, better)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["positive", "favor++"])
+def test_torch_gradcheck(rng, causal, kind):
+    # Gradients flow through the array-API code (no in-place updates on torch tensors);
+    # the stabilising shifts cancel, so their (max) subgradients do not matter.
+    from conftest import get_backend
+    get_backend("torch")
+    import torch
+
+    q, k, v = (torch.tensor(x, requires_grad=True)
+               for x in make_qkv(rng, batch=(2,), n=5, s=7, d=3, dv=2, norm=2.0))
+    km = torch.tensor(rng.random((2, 7)) < 0.8)
+    f = RandomFeatures.draw(3, 6, seed=1)
+    opts = {"gerf_a": -0.1} if kind == "favor++" else {}
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: performer_attention(a, b, c, features=f, kind=kind, causal=causal,
+                                            key_mask=km, **opts), (q, k, v))
