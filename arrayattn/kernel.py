@@ -211,7 +211,9 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     phi_k : array, shape ``(..., s, m)``
         Key features :math:`\varphi_k(k)`.
     v : array, shape ``(..., s, dv)``
-        Values.  Leading dimensions of the three broadcast.
+        Values.  Leading dimensions of the three broadcast; the three share one dtype
+        (features made in float32 from half-precision inputs: pass ``v`` in float32
+        too and cast the output back, as :func:`linear_attention` does).
     causal : bool
         End-aligned causal attention: query ``i`` sees key ``j <= i + (s - n)``.
     key_mask : boolean array, shape ``(..., s)``, optional
@@ -347,6 +349,20 @@ def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
     out_t : array, shape ``(..., dv)``
     state : LinearAttentionState
         With ``num_tokens`` increased by one.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import feature_attention, feature_attention_step, linear_attention_state
+    >>> rng = np.random.default_rng(0)
+    >>> fq, fk, v = rng.random((6, 3)), rng.random((6, 3)), rng.standard_normal((6, 2))
+    >>> st = linear_attention_state(np, (), 3, 2, feature_map="relu")  # m = d = 3 features
+    >>> outs = []
+    >>> for t in range(6):
+    ...     o, st = feature_attention_step(fq[t], fk[t], v[t], st)
+    ...     outs.append(o)
+    >>> bool(np.allclose(np.stack(outs), feature_attention(fq, fk, v, causal=True)))
+    True
     """
     for name, x in (("phi_q_t", phi_q_t), ("phi_k_t", phi_k_t), ("v_t", v_t)):
         if x.ndim < 1:
@@ -495,6 +511,17 @@ def linear_attention_step(q_t, k_t, v_t, state, /, *, eps=None):
     out_t : array, shape ``(..., dv)``
         Same dtype as ``q_t``.
     state : LinearAttentionState
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import linear_attention, linear_attention_step
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    >>> out, st = linear_attention(q[:3], k[:3], v[:3], causal=True, return_state=True)
+    >>> o3, st = linear_attention_step(q[3], k[3], v[3], st)   # the prompt, then a step
+    >>> bool(np.allclose(o3, linear_attention(q[:4], k[:4], v[:4], causal=True)[3]))
+    True
     """
     if not isinstance(state, LinearAttentionState) or state.feature_map is None:
         raise TypeError("state must be a LinearAttentionState made by "

@@ -49,6 +49,10 @@ class Variant:
         Whether ``n != s`` (cross-attention) is supported.
     notes : str
         Anything a user of the uniform call must know.
+    linear_in_v : bool
+        Whether the output is linear in ``v`` (so that :func:`attention_matrix` gives
+        the matrix the variant applies).  False for variants whose weights depend on
+        ``v`` (Luna: the unpack step attends to keys made from the packed values).
 
     Examples
     --------
@@ -78,6 +82,7 @@ class Variant:
     random: bool = False
     cross: bool = True
     notes: str = ""
+    linear_in_v: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))

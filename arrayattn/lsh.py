@@ -1,0 +1,470 @@
+"""Reformer attention: shared-QK angular LSH, sorted buckets, chunked attention.
+
+Kitaev, Kaiser & Levskaya 2020, "Reformer: The Efficient Transformer" (ICLR 2020),
+section 2 ("Locality-sensitive hashing attention").
+
+Every hash round sorts the tokens by bucket (then by position), cuts the sorted order
+into chunks of ``chunk_size`` and lets each query attend to the keys of its own chunk
+and of the previous chunk that share its bucket; the rounds are merged with their
+log-sum-exp weights.  Cost per round: a sort (``O(n log n)``) and ``O(n · chunk · d)``
+for the attention; memory ``O(n d)`` plus a bounded tile of scores; never ``n x n``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._validate import (Problem, check_key_mask, check_positive_int, check_qkv,
+                        check_same_array_kind, check_scale)
+from ._xp import xp_device, xp_from_host
+from .exact import attend
+from .registry import Variant, register
+
+__all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets"]
+
+
+# ---------------------------------------------------------------------------------
+# Hashing
+# ---------------------------------------------------------------------------------
+
+def _default_num_buckets(n: int, chunk_size: int) -> int:
+    """``2 ceil(n / chunk_size)``: average bucket of about half a chunk (paper: m = 2l/n_b)."""
+    return 2 * max(1, math.ceil(n / chunk_size))
+
+
+def _check_num_buckets(num_buckets) -> int:
+    nb = check_positive_int("num_buckets", num_buckets)
+    if nb != 1 and nb % 2:
+        raise ValueError(
+            "num_buckets must be 1 or even (angular LSH takes the argmax over "
+            f"[xR, -xR] with R of num_buckets/2 columns); got {nb}"
+        )
+    return nb
+
+
+def lsh_rotations(d, *, num_hashes=4, num_buckets, seed=0):
+    """The random rotations of angular LSH, drawn on the host.
+
+    Shape ``(num_hashes, d, num_buckets // 2)``; the entries are iid standard normal
+    (float64), drawn with
+    ``numpy.random.default_rng(seed).standard_normal((num_hashes, d, num_buckets // 2))``.
+    This is exactly the matrix :func:`lsh_attention` draws for a given ``seed``; give it
+    (or your own model's matrix of that shape) to ``rotations=`` to replay a hash.
+
+    Returns
+    -------
+    numpy.ndarray, float64, shape ``(num_hashes, d, num_buckets // 2)``
+        For ``num_buckets = 1`` the last axis has length 0 (every token is in bucket 0).
+
+    Examples
+    --------
+    >>> from arrayattn import lsh_rotations
+    >>> lsh_rotations(8, num_hashes=2, num_buckets=6, seed=1).shape
+    (2, 8, 3)
+    """
+    d = check_positive_int("d", d)
+    num_hashes = check_positive_int("num_hashes", num_hashes)
+    nb = _check_num_buckets(num_buckets)
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((num_hashes, d, nb // 2))
+
+
+def _resolve_rotations(p: Problem, qk, rotations, num_hashes, num_buckets, seed):
+    """The rotations as a ``(..., H, d, nb/2)`` array on ``qk``'s device, and ``(H, nb)``."""
+    xp = p.xp
+    num_hashes = check_positive_int("num_hashes", num_hashes)
+    if rotations is None:
+        nb = _check_num_buckets(num_buckets)
+        host = lsh_rotations(p.d, num_hashes=num_hashes, num_buckets=nb, seed=seed)
+        return xp_from_host(xp, host, dtype=p.work_dtype, device=p.device), num_hashes, nb
+    check_same_array_kind(xp, "qk", qk, "rotations", rotations)
+    if not xp.isdtype(rotations.dtype, "real floating"):
+        raise TypeError(f"rotations must have a real floating dtype; got {rotations.dtype}")
+    shape = tuple(rotations.shape)
+    if len(shape) < 3 or shape[-2] != p.d:
+        raise ValueError(
+            f"rotations must have shape (..., num_hashes, d, num_buckets // 2) with d={p.d}; "
+            f"got shape {shape} for qk of shape {tuple(qk.shape)}"
+        )
+    if shape[-3] != num_hashes:
+        raise ValueError(
+            f"rotations of shape {shape} hold {shape[-3]} hash rounds but "
+            f"num_hashes={num_hashes}; pass num_hashes={shape[-3]}"
+        )
+    nb = max(1, 2 * shape[-1])
+    if num_buckets is not None and _check_num_buckets(num_buckets) != nb:
+        raise ValueError(
+            f"rotations of shape {shape} give {nb} buckets but num_buckets={num_buckets}"
+        )
+    try:
+        batch = tuple(np.broadcast_shapes(shape[:-3], p.batch))
+    except ValueError:
+        batch = None
+    if batch != p.batch:
+        raise ValueError(
+            f"rotations' leading dimensions {shape[:-3]} do not broadcast to the "
+            f"batch {p.batch} of qk {tuple(qk.shape)}"
+        )
+    return xp.astype(rotations, p.work_dtype, copy=False), num_hashes, nb
+
+
+def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
+    """Buckets ``(*batch, H, n)``: ``argmax([x R, -x R])`` per round (Andoni et al. 2015)."""
+    H = rot.shape[-3]
+    if nb == 1:
+        return xp.full((*batch, H, n), 0, device=xp_device(qk))  # default integer dtype
+    d, half = rot.shape[-2], rot.shape[-1]
+    # All rounds in one product: (..., n, d) @ (..., d, H * nb/2).
+    flat_rot = xp.reshape(xp.permute_dims(rot, (*range(rot.ndim - 3), rot.ndim - 2,
+                                                 rot.ndim - 3, rot.ndim - 1)),
+                          (*rot.shape[:-3], d, H * half))
+    if rot.ndim == 3:  # shared rotations: one 2-D product (NumPy's broadcast is slow)
+        proj = xp.reshape(xp.reshape(qk, (-1, d)) @ flat_rot, (*qk.shape[:-1], H, half))
+    else:
+        proj = qk @ flat_rot
+        proj = xp.reshape(proj, (*proj.shape[:-1], H, half))   # (..., n, H, nb/2)
+    # argmax([p, -p]) without forming the concatenation (ties: the first half wins,
+    # as argmax takes the first maximum).
+    upper = xp.max(proj, axis=-1) >= -xp.min(proj, axis=-1)
+    buckets = xp.where(upper, xp.argmax(proj, axis=-1),
+                       xp.argmin(proj, axis=-1) + half)                 # (..., n, H)
+    return xp.broadcast_to(xp.matrix_transpose(buckets), (*batch, H, n))
+
+
+def _prepare(qk, v, key_mask, *, num_hashes, num_buckets, chunk_size, seed, rotations):
+    p = check_qkv(qk, qk, v, names=("qk", "qk", "v"))
+    check_key_mask(p, key_mask, qk)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    if num_buckets is None and rotations is None:
+        num_buckets = _default_num_buckets(p.n, chunk_size)
+    rot, H, nb = _resolve_rotations(p, qk, rotations, num_hashes, num_buckets, seed)
+    return p, chunk_size, rot, H, nb
+
+
+def lsh_buckets(qk, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
+                rotations=None, key_mask=None):
+    """The LSH buckets that :func:`lsh_attention` uses, ``(..., num_hashes, n)`` integers.
+
+    ``h_r(x) = argmax([x R_r, -x R_r])`` with ``R_r`` the ``(d, num_buckets/2)``
+    rotation of round ``r``; tokens with ``key_mask`` False are put in the extra bucket
+    ``num_buckets`` (sorted after every real bucket).  Same arguments and defaults as
+    :func:`lsh_attention` (``chunk_size`` only sets the default ``num_buckets``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import lsh_buckets
+    >>> qk = np.random.default_rng(0).standard_normal((10, 8))
+    >>> b = lsh_buckets(qk, num_hashes=3, num_buckets=4, seed=0)
+    >>> b.shape, bool(((0 <= b) & (b < 4)).all())
+    ((3, 10), True)
+    """
+    p, _, rot, _, nb = _prepare(qk, qk, key_mask, num_hashes=num_hashes,
+                                num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
+                                rotations=rotations)
+    xp = p.xp
+    wqk = xp.astype(qk, p.work_dtype, copy=False)
+    buckets = _hash(xp, wqk, rot, nb, p.batch, p.n)
+    if key_mask is not None:
+        buckets = xp.where(xp.expand_dims(key_mask, axis=-2), buckets, nb)
+    return buckets
+
+
+# ---------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------
+
+def _gather(xp, x, flat_idx, shape):
+    """Rows of ``x (B, n, f)`` at flat indices ``(B*L,)`` (``b*n + i``), reshaped."""
+    B, n, f = x.shape
+    return xp.reshape(xp.take(xp.reshape(x, (B * n, f)), flat_idx, axis=0), shape)
+
+
+def _look_one_back(xp, x, fill, axis=2):
+    """``(B, nc, C, ...) -> (B, nc, 2C, ...)``: each chunk preceded by the previous chunk.
+
+    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(B, nc, d, C)``).
+    The first chunk has no previous chunk (no wrap-around): its look-back half is
+    ``fill`` (a slot that no query may attend to).  The result is a fresh contiguous
+    array (NumPy's batched matmul is ~10x slower on a transposed view).
+    """
+    first = xp.full((x.shape[0], 1, *x.shape[2:]), fill, dtype=x.dtype,
+                    device=xp_device(x))
+    prev = xp.concat([first, x[:, :-1, ...]], axis=1)
+    return xp.concat([prev, x], axis=axis)
+
+
+_TILE = 1 << 22  # elements of one score-sized temporary (16 MiB in float32)
+
+
+def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
+    """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
+
+    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``;
+    ``buckets`` is ``(B, H, n)`` with masked tokens in bucket ``nb``.
+    """
+    B, H = buckets.shape[0], buckets.shape[1]
+    nc = -(-n // C)
+    L = nc * C
+    order = xp.argsort(buckets[:, r, :], axis=-1, stable=True)      # (B, n) positions
+    # Pad the sorted order to nc * C slots; a pad slot holds position 0 but bucket -1.
+    if L > n:
+        order = xp.concat(
+            [order, xp.zeros((B, L - n), dtype=order.dtype, device=device)], axis=-1)
+    offsets = xp.reshape(xp.arange(B, dtype=order.dtype, device=device) * n, (B, 1))
+    flat = xp.reshape(order + offsets, (B * L,))
+    is_slot = xp.arange(L, device=device) < n                         # (L,)
+
+    def sorted_ints(a):  # (B, n) ints -> (B, nc, C), pad slots -1
+        g = xp.reshape(xp.take(xp.reshape(a, (B * n,)), flat, axis=0), (B, L))
+        return xp.reshape(xp.where(is_slot, g, -1), (B, nc, C))
+
+    q_c = _gather(xp, qs, flat, (B, nc, C, qs.shape[-1]))
+    k_t = xp.matrix_transpose(_gather(xp, ks, flat, (B, nc, C, ks.shape[-1])))
+    k_wt = _look_one_back(xp, k_t, 0, axis=-1)                        # (B, nc, d, 2C)
+    v_w = _look_one_back(xp, _gather(xp, vs, flat, (B, nc, C, vs.shape[-1])), 0)
+    pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
+    if causal:
+        # Sorted rank of each slot, and of each key slot in the look-back window.
+        slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
+        slot_k = _look_one_back(xp, slot, -L)
+    bq = sorted_ints(buckets[:, r, :])
+    bk = _look_one_back(xp, bq, -1)
+    pk = _look_one_back(xp, pos, -1)
+    # Paper eq. (3): same bucket only.  Queries and keys that are not real (pad slots
+    # in bucket -1, masked tokens in bucket nb) get codes that match nothing.  The
+    # token itself is excluded here and used as a fallback after the rounds are merged.
+    bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
+    bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
+    others = []  # the other rounds' buckets, for the duplicate count
+    if dedup and H > 1:
+        for r2 in range(H):
+            if r2 != r:
+                b2 = sorted_ints(buckets[:, r2, :])
+                others.append((b2, _look_one_back(xp, b2, -1)))
+    # The score-sized work runs over blocks of chunks, so that its temporaries stay
+    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)).
+    step = max(1, _TILE // (B * C * 2 * C))
+    outs, lses = [], []
+    for c0 in range(0, nc, step):
+        blk = slice(c0, min(c0 + step, nc))
+        pq4, pk4 = pos[:, blk, :, None], pk[:, blk, None, :]
+        allowed = (bq_code[:, blk, :, None] == bk_code[:, blk, None, :]) & (
+            (pk4 < pq4) if causal else (pk4 != pq4))
+        if causal:
+            # A sliding window of the C sorted slots before the query instead of the
+            # chunk + previous chunk: within a bucket, slots are in position order, so
+            # the window holds the query's min(C, #) most recent same-bucket keys -- a
+            # set fixed by past tokens alone.  With chunk boundaries a future token's
+            # bucket could shift the window and change a past output.
+            allowed = allowed & (
+                slot[:, blk, :, None] - slot_k[:, blk, None, :] <= C)
+        scores = q_c[:, blk, ...] @ k_wt[:, blk, ...]                 # (B, g, C, 2C)
+        if others:
+            # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
+            # subtracting log N_ij makes a pair met in several rounds count once.
+            # Where allowed, N_ij = 1 (this round) + the matches counted here.
+            count = None
+            for b2q, b2k in others:
+                same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
+                count = same if count is None else count + same
+            scores = scores - xp.log1p(xp.astype(count, work_dtype))
+        o, z = attend(xp, scores, v_w[:, blk, ...], allowed, return_lse=True)
+        outs.append(o)
+        lses.append(z)
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=1)
+    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=1)
+    out = xp.reshape(out, (B, L, out.shape[-1]))[:, :n, :]
+    lse = xp.reshape(lse, (B, L))[:, :n]
+    # Undo the sort: sorted slot t holds position order[t]; position i is at undo[i].
+    undo = xp.argsort(order[:, :n], axis=-1, stable=True)
+    flat_undo = xp.reshape(undo + offsets, (B * n,))
+    out = _gather(xp, out, flat_undo, (B, n, out.shape[-1]))
+    lse = xp.reshape(xp.take(xp.reshape(lse, (B * n,)), flat_undo, axis=0), (B, n))
+    return out, lse
+
+
+def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
+                  rotations=None, causal=False, key_mask=None, scale=None, dedup=True):
+    r"""Reformer LSH attention with shared queries and keys (Kitaev et al. 2020).
+
+    Queries are ``qk``; keys are the ℓ2-normalised ``qk`` (``k_j = qk_j / ||qk_j||``).
+    For each hash round ``r`` with random rotation ``R_r`` (``d x num_buckets/2``):
+
+    .. math::
+
+        h_r(x) = \arg\max\,[\,x R_r \,;\, -x R_r\,], \qquad
+        P_i^{(r)} = \{ j \ne i : h_r(qk_j) = h_r(qk_i),\ \lfloor t_j / C \rfloor \in
+        \{\lfloor t_i / C \rfloor - 1, \lfloor t_i / C \rfloor\} \}
+
+    where ``t`` is the rank of a token after a stable sort by bucket (ties by position)
+    and ``C = chunk_size``.  Each round is a masked softmax
+
+    .. math::
+
+        o_i^{(r)} = \sum_{j \in P_i^{(r)}} \frac{\exp(s_{ij} - \log N_{ij})}{Z_i^{(r)}} v_j,
+        \qquad s_{ij} = \mathrm{scale}\; qk_i \cdot k_j,\qquad
+        N_{ij} = |\{r' : h_{r'}(qk_i) = h_{r'}(qk_j)\}|,
+
+    ``z_i^{(r)} = \log Z_i^{(r)}``, and the rounds are merged with their log-sum-exp
+    weights: ``o_i = sum_r exp(z_i^{(r)} - z_i) o_i^{(r)}``, ``z_i = logsumexp_r z_i^{(r)}``.
+    This is one softmax over the union of the rounds' key sets.
+
+    Parameters
+    ----------
+    qk : array, shape ``(..., n, d)``
+        Shared queries/keys (the output of the model's single QK projection).
+    v : array, shape ``(..., n, dv)``
+        Values.  Leading dimensions of ``qk`` and ``v`` broadcast.
+    num_hashes : int
+        Number of hash rounds ``H`` (default 4; the paper uses 1-8).
+    num_buckets : int, optional
+        Buckets per round, 1 or even.  ``None`` means ``2 ceil(n / chunk_size)`` (the
+        paper's ``m = 2 l / n_buckets``: a bucket holds about half a chunk on average),
+        or the count implied by ``rotations``.
+    chunk_size : int
+        Chunk length ``C`` in the sorted order (default 64).  Every query sees at most
+        ``2C`` keys per round.  The sequence need not be a multiple of it.
+    seed : int
+        Seed of the host draw ``numpy.random.default_rng(seed).standard_normal((H, d,
+        num_buckets // 2))`` (see :func:`lsh_rotations`); same seed, same buckets on
+        every backend.
+    rotations : array, shape ``(..., H, d, num_buckets // 2)``, optional
+        The caller's rotations (e.g. a model's fixed hash), replacing the seeded draw.
+        Leading dimensions broadcast against the batch (per-head rotations).
+    causal : bool
+        Query ``i`` only sees keys ``j < i`` (``n = s``, so end-aligned = usual), in a
+        sliding window of ``C`` sorted slots (see the notes).
+    key_mask : boolean array, shape ``(..., n)``, optional
+        ``False`` marks padding.  A padded token is hashed into an extra bucket sorted
+        after all real buckets, so it never takes a chunk slot of a real token: the
+        result on the real tokens equals the result with the padding removed.  The
+        output rows of padded tokens are zero.
+    scale : float, optional
+        Logit scale, ``None`` means ``1/sqrt(d)``.
+    dedup : bool
+        ``True`` (default, the paper's choice): subtract ``log N_ij`` so that a pair met
+        in several rounds counts once.  ``False``: no correction, a key seen in ``k``
+        rounds counts ``k`` times (reformer-pytorch's ``allow_duplicate_attention``).
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+        Same namespace, device and dtype as ``qk``.
+
+    Notes
+    -----
+    Choices (each as in the paper unless said otherwise):
+
+    * Keys are unit vectors; queries are not normalised; the scale applies to
+      ``qk_i · k_j``.
+    * Only keys of the query's own bucket are attended (the paper's mask
+      ``m(j, P_i)``); the chunk and previous-chunk window bounds the cost.  The first
+      chunk has no previous chunk (no wrap-around to the last chunk).
+    * A token does not attend to itself unless it has no other key in any round; then it
+      returns its own value (its key must be real).  This is the paper's
+      ``-1e5`` self-logit without the magic constant: a self-only round has
+      ``exp(-1e5) = 0`` weight against any round with a key.
+    * The duplicate count ``N_ij`` counts the rounds in which ``i`` and ``j`` share a
+      bucket, not those in which they share a chunk window (paper's definition); when
+      a chunk boundary separates them in some round the pair is counted less.
+    * Causal: query ``i`` sees the same-bucket keys ``j < i`` among the ``C`` sorted
+      slots before it (``t_i - C <= t_j < t_i``), a sliding window instead of the
+      chunk + previous chunk.  Within a bucket the sort keeps position order, so this is
+      the ``min(C, #)`` most recent same-bucket keys: a set fixed by past tokens alone.
+      With plain chunk windows (as in the paper and popular ports) the *bucket* of a
+      future token shifts the chunk boundaries and can change a past output; here no
+      future key, value or bucket changes a past output (tested: bit for bit when the
+      buckets stay, to rounding when a future bucket moves the past slots).
+    * ``num_buckets=1`` with ``chunk_size >= n`` is dense softmax attention over unit
+      keys with the self-exclusion rule (tested).
+
+    Cost per round: two ``argsort`` of length ``n``, gathers of ``n (d + dv)``,
+    ``4 n C (d + dv)`` FLOPs for the scores and the product; memory ``O(n (d + dv))``
+    plus score tiles of about ``2^22`` entries.  Python loops run over the ``H`` rounds
+    and over blocks of chunks only.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import lsh_attention
+    >>> rng = np.random.default_rng(0)
+    >>> qk, v = rng.standard_normal((2, 100, 16)), rng.standard_normal((2, 100, 8))
+    >>> out = lsh_attention(qk, v, num_hashes=2, chunk_size=32, seed=0)
+    >>> out.shape
+    (2, 100, 8)
+    >>> ones = lsh_attention(qk, np.ones((100, 1)), chunk_size=32)  # rows sum to 1
+    >>> bool(np.allclose(ones, 1.0))
+    True
+    """
+    p, C, rot, H, nb = _prepare(qk, v, key_mask, num_hashes=num_hashes,
+                                num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
+                                rotations=rotations)
+    scale = check_scale(scale, p.d)
+    xp, n, dev, wd = p.xp, p.n, p.device, p.work_dtype
+    B = math.prod(p.batch)
+    wqk = xp.astype(qk, wd, copy=False)
+    wv = xp.astype(v, wd, copy=False)
+    buckets = _hash(xp, wqk, rot, nb, p.batch, n)                     # (*batch, H, n)
+    if key_mask is not None:
+        buckets = xp.where(xp.expand_dims(key_mask, axis=-2), buckets, nb)
+    buckets = xp.reshape(buckets, (B, H, n))
+    qk3 = xp.reshape(xp.broadcast_to(wqk, (*p.batch, n, p.d)), (B, n, p.d))
+    v3 = xp.reshape(xp.broadcast_to(wv, (*p.batch, n, p.dv)), (B, n, p.dv))
+    norm = xp.sqrt(xp.sum(qk3 * qk3, axis=-1, keepdims=True))
+    ks = qk3 / xp.where(norm > 0, norm, 1.0)
+    qs = qk3 * scale
+
+    # Merge the rounds as they come (the online log-sum-exp of FlashAttention):
+    # m = running max of the rounds' lse, l = sum_r exp(z_r - m), acc = sum_r
+    # exp(z_r - m) o_r; a round with no key (z_r = -inf) adds exactly 0.
+    m = xp.full((B, n), -xp.inf, dtype=wd, device=dev)
+    l = xp.zeros((B, n), dtype=wd, device=dev)
+    acc = xp.zeros((B, n, p.dv), dtype=wd, device=dev)
+    for r in range(H):
+        o, z = _lsh_round(xp, qs, ks, v3, buckets, r, n=n, C=C, nb=nb, causal=causal,
+                          dedup=dedup, work_dtype=wd, device=dev)
+        m_new = xp.maximum(m, z)
+        shift = xp.where(m_new == -xp.inf, 0.0, m_new)
+        old, new = xp.exp(m - shift), xp.exp(z - shift)
+        l = l * old + new
+        acc = acc * old[..., None] + o * new[..., None]
+        m = m_new
+    has_key = l > 0
+    out = acc / xp.where(has_key, l, 1.0)[..., None]
+    # Fallback: a token with no other key in any round attends to itself (if real).
+    fallback = v3
+    if key_mask is not None:
+        km = xp.reshape(xp.broadcast_to(key_mask, (*p.batch, n)), (B, n))
+        fallback = xp.where(km[..., None], v3, 0.0)
+    out = xp.where(has_key[..., None], out, fallback)
+    out = xp.reshape(out, p.out_shape)
+    return xp.astype(out, p.dtype, copy=False)
+
+
+def _uniform_call(q, k, v, /, **options):
+    """Registry adapter: ``q`` is the shared ``qk``; ``k`` is ignored."""
+    return lsh_attention(q, v, **options)
+
+
+register(Variant(
+    name="lsh",
+    fn=lsh_attention,
+    call=_uniform_call,
+    family="hashing",
+    exact=False,
+    causal=True,
+    key_mask=True,
+    normalized=True,
+    defaults={"num_hashes": 4, "chunk_size": 64, "seed": 0},
+    parameter="num_hashes",
+    complexity="O(H n (log n + C d)) time, O(n d) memory (+ bounded score tiles)",
+    citation="Kitaev, Kaiser & Levskaya 2020, Reformer: The Efficient Transformer",
+    random=True,
+    cross=False,
+    notes=("shared-QK attention: the uniform call uses q as qk and ignores k (keys are "
+           "the l2-normalised q); self-attention only (n = s); causal mode uses a "
+           "sliding window of chunk_size sorted slots so that no future token, not even "
+           "its bucket, changes a past output"),
+))

@@ -1,0 +1,196 @@
+"""Luna: linear unified nested attention (pack, then unpack).
+
+Ma, Kong, Wang, Zhou, May, Ma & Zettlemoyer 2021, "Luna: Linear Unified Nested
+Attention" (NeurIPS 2021), section 3.1.  An extra sequence ``P`` of ``l`` tokens first
+attends to the keys and values (pack), and the queries then attend to the packed
+sequence (unpack):
+
+.. math::
+
+    P' = \\operatorname{Attn}(P, K, V), \\qquad O = \\operatorname{Attn}(Q, P' W_K, P' W_V),
+
+both exact softmax attention over ``l`` keys or from ``l`` queries: ``O((n + s) l d)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._validate import check_key_mask, check_no_causal, check_qkv, check_same_array_kind
+from ._xp import xp_device, xp_from_host, xp_namespace
+from .exact import softmax_attention
+from .registry import Variant, register
+
+__all__ = ["luna_attention"]
+
+_NOT_CAUSAL = (
+    "every packed token P' attends to all s keys, and every output attends to every "
+    "packed token, so each output depends on every key and value; the paper's causal "
+    "Luna needs a different (cumulative, per-position) packing that is not implemented"
+)
+
+
+def _check_projection(p, name, w, ref, rows, cols_name):
+    if w is None:
+        return None
+    check_same_array_kind(p.xp, "q", ref, name, w)
+    if not p.xp.isdtype(w.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype; got {w.dtype}")
+    if w.ndim < 2 or w.shape[-2] != rows:
+        raise ValueError(
+            f"{name} must have shape (..., dv, {cols_name}) with dv={rows} (the value "
+            f"dimension of the packed sequence); got shape {tuple(w.shape)}"
+        )
+    return w
+
+
+def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
+                   unpack_key_proj=None, unpack_value_proj=None, return_packed=False):
+    r"""Luna pack-and-unpack attention (Ma et al. 2021).
+
+    .. math::
+
+        P' = \operatorname{softmax}\!\left(P K^\top \cdot \mathrm{scale} + M\right) V,
+        \qquad
+        O = \operatorname{softmax}\!\left(Q (P' W_K)^\top \cdot \mathrm{scale}\right)
+        P' W_V,
+
+    with ``M`` the key mask.  ``W_K`` and ``W_V`` default to the identity (the form
+    ``Attn(Q, P', P')``).
+
+    Parameters
+    ----------
+    q : array, shape ``(..., n, d)``
+        Queries (already projected: ``X W_Q`` of the unpack attention).
+    k : array, shape ``(..., s, d)``
+        Keys (``C W_K`` of the pack attention).
+    v : array, shape ``(..., s, dv)``
+        Values (``C W_V`` of the pack attention).
+    p : array, shape ``(..., l, d)``
+        The extra sequence, already projected as the pack queries (``P W_Q``); ``l`` is
+        usually small (the paper uses 16-256).  Leading dimensions broadcast.
+    scale : float, optional
+        Logit scale of both attentions; ``None`` means ``1/sqrt(d)``.
+    causal : bool
+        Must be False: raises ``ValueError`` (see Notes).
+    key_mask : boolean array, shape ``(..., s)``, optional
+        Padded keys take no part in the pack step (the unpack step sees only the ``l``
+        packed tokens, all real).
+    unpack_key_proj : array, shape ``(..., dv, d)``, optional
+        ``W_K`` applied to the packed sequence to make the unpack keys.  Without it
+        the keys are ``P'`` itself, which needs ``dv == d``.
+    unpack_value_proj : array, shape ``(..., dv, dv2)``, optional
+        ``W_V`` applied to the packed sequence to make the unpack values (default
+        ``P'``).
+    return_packed : bool
+        Also return ``P'`` (the paper's second output ``Y_P``, the next layer's ``P``).
+
+    Returns
+    -------
+    array, shape ``(..., n, dv2)`` (``dv2 = dv`` without ``unpack_value_proj``)
+        Same namespace, device and dtype as ``q``; with ``return_packed`` the pair
+        ``(out, packed)``, ``packed`` of shape ``(..., l, dv)``.
+
+    Notes
+    -----
+    Where the paper puts projections: ``Y_P = Attn(P, C)`` and ``Y_X = Attn(X, Y_P)``,
+    each ``Attn`` with its own ``W_Q, W_K, W_V`` (per head), and ``P`` of the first
+    layer a learned positional embedding.  arrayattn has no learned parameters: the
+    pack projections (``P W_Q``, ``C W_K``, ``C W_V``) and the unpack query projection
+    (``X W_Q``) are applied by the caller before the call; the unpack key and value
+    projections act on ``P'``, which exists only inside the call, so they are the
+    optional ``unpack_key_proj`` / ``unpack_value_proj`` arguments.  The output
+    projection, the layer norm that the paper applies to ``Y_P`` before the next
+    layer, and the sharing of weights across layers are left to the caller.
+
+    The output is **not** linear in ``v``: the unpack keys are built from the packed
+    values, so :func:`arrayattn.attention_matrix` does not describe it.  Rows of
+    both attentions sum to 1, so a constant ``v`` is returned unchanged.
+
+    Not causal: every packed token mixes all keys.  The paper's causal variant packs
+    cumulatively per position with a different activation; it is not implemented.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import luna_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 50, 8)) for _ in range(3))
+    >>> p = rng.standard_normal((16, 8))          # l = 16 packed tokens, shared
+    >>> out, packed = luna_attention(q, k, v, p, return_packed=True)
+    >>> out.shape, packed.shape
+    ((2, 50, 8), (2, 16, 8))
+    >>> const = luna_attention(q, k, np.full((50, 3), 2.5), p,
+    ...                        unpack_key_proj=rng.standard_normal((3, 8)))
+    >>> bool(np.allclose(const, 2.5))
+    True
+    """
+    prob = check_qkv(q, k, v)
+    check_no_causal(causal, "luna_attention", _NOT_CAUSAL)
+    check_key_mask(prob, key_mask, q)
+    packp = check_qkv(p, k, v, names=("p", "k", "v"))
+    check_same_array_kind(prob.xp, "q", q, "p", p)
+    wk = _check_projection(prob, "unpack_key_proj", unpack_key_proj, q, prob.dv, "d")
+    wv = _check_projection(prob, "unpack_value_proj", unpack_value_proj, q, prob.dv,
+                           "dv2")
+    if wk is None and prob.dv != prob.d:
+        raise ValueError(
+            f"the unpack step attends with keys P' of dimension dv={prob.dv} but q has "
+            f"d={prob.d}; pass unpack_key_proj of shape (dv, d) = ({prob.dv}, {prob.d})"
+        )
+    if wk is not None and wk.shape[-1] != prob.d:
+        raise ValueError(
+            f"unpack_key_proj must map dv={prob.dv} to d={prob.d}; got shape "
+            f"{tuple(wk.shape)}"
+        )
+    xp, wd = prob.xp, prob.work_dtype
+    w = [None if x is None else xp.astype(x, wd, copy=False)
+         for x in (q, k, v, p, wk, wv)]
+    wq, wk_, wv_, wp, proj_k, proj_v = w
+    # Pack: l queries over s keys.  Unpack: n queries over l keys.  Both exact.
+    packed = softmax_attention(wp, wk_, wv_, scale=scale, key_mask=key_mask)
+    keys = packed if proj_k is None else packed @ proj_k
+    values = packed if proj_v is None else packed @ proj_v
+    out = softmax_attention(wq, keys, values, scale=scale)
+    out = xp.astype(out, prob.dtype, copy=False)
+    if return_packed:
+        return out, xp.astype(packed, packp.dtype, copy=False)
+    return out
+
+
+_UNIFORM_L = 16
+
+
+def _uniform_call(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
+    """Registry adapter: ``P`` and (when ``dv != d``) ``W_K`` drawn on the host."""
+    xp = xp_namespace(q, k, v)
+    d, dv = q.shape[-1], v.shape[-1]
+    rng = np.random.default_rng(seed)
+    p = xp_from_host(xp, rng.standard_normal((num_packed, d)), dtype=q.dtype,
+                     device=xp_device(q))
+    if dv != d and options.get("unpack_key_proj") is None:
+        wk = rng.standard_normal((dv, d)) / np.sqrt(dv)
+        options["unpack_key_proj"] = xp_from_host(xp, wk, dtype=q.dtype, device=xp_device(q))
+    return luna_attention(q, k, v, p, **options)
+
+
+register(Variant(
+    name="luna",
+    fn=luna_attention,
+    call=_uniform_call,
+    family="low_rank",
+    exact=False,
+    causal=False,
+    key_mask=True,
+    normalized=True,
+    defaults={"num_packed": _UNIFORM_L, "seed": 0},
+    parameter="num_packed",
+    complexity="O((n + s) l d) time and memory",
+    citation="Ma et al. 2021, Luna: Linear Unified Nested Attention",
+    random=True,
+    cross=True,
+    linear_in_v=False,
+    notes=("the uniform call draws P (num_packed x d, iid N(0, 1), "
+           "numpy default_rng(seed)) and, when dv != d, an unpack key projection "
+           "W_K (dv x d, N(0, 1/dv)) from the same generator; the output is not linear "
+           "in v (the unpack keys are made from the packed values)"),
+))

@@ -1,0 +1,436 @@
+r"""Nyströmformer and the two-softmax landmark attention it is derived from.
+
+.. math::
+
+    \operatorname{softmax}(Q K^\top) \approx
+    \underbrace{\operatorname{softmax}(Q \tilde K^\top)}_{F\ (n\times m)}\;
+    \operatorname{pinv}\!\big(\underbrace{\operatorname{softmax}(\tilde Q \tilde K^\top)}_{A\
+    (m\times m)}\big)\;
+    \underbrace{\operatorname{softmax}(\tilde Q K^\top)}_{B\ (m\times s)}
+
+with landmarks :math:`\tilde Q, \tilde K` the means of ``m`` contiguous segments of the
+queries and keys (Xiong et al. 2021, "Nyströmformer: A Nyström-Based Algorithm for
+Approximating Self-Attention", AAAI).  Every logit carries the same ``scale`` (the
+official code divides q and k by :math:`d^{1/4}` each, which is the same thing).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
+                        check_qkv, check_same_array_kind, check_scale)
+from ._xp import compute_dtype, xp_device, xp_namespace
+from .exact import attend, masked_softmax
+from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
+from .registry import Variant, register
+
+__all__ = ["segment_means", "nystrom_attention", "landmark_attention"]
+
+_NOT_CAUSAL = ("its landmarks are means over segments of the whole sequence, so every "
+               "output would depend on future tokens")
+
+
+def segment_lengths(n: int, m: int) -> list[int]:
+    """Lengths of the ``m`` contiguous segments of ``n`` tokens: the first ``n mod m``
+    segments have ``ceil(n/m)`` tokens, the others ``floor(n/m)``."""
+    base, extra = divmod(n, m)
+    return [base + 1] * extra + [base] * (m - extra)
+
+
+def _segment_sums(xp, x, m: int):
+    """Sums of ``x (..., n, c)`` over the segments of :func:`segment_lengths`:
+    ``(..., m, c)``, by two reshapes (O(n c), no padding, no loop over tokens)."""
+    n, c = x.shape[-2], x.shape[-1]
+    base, extra = divmod(n, m)
+    lead = tuple(x.shape[:-2])
+    cut = extra * (base + 1)
+    parts = []
+    if extra:
+        parts.append(xp.sum(xp.reshape(x[..., :cut, :], (*lead, extra, base + 1, c)), axis=-2))
+    if extra < m:
+        parts.append(xp.sum(xp.reshape(x[..., cut:, :], (*lead, m - extra, base, c)), axis=-2))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
+
+
+def _segment_means(xp, x, m: int, mask):
+    """Means of ``x (..., n, c)`` over ``m`` segments, counting only ``mask`` tokens.
+
+    Returns ``(means (..., m, c), counts)`` where ``counts`` is ``None`` without a
+    mask and the float number of real tokens per segment ``(..., m)`` with one; a
+    segment with no real token has mean 0.
+    """
+    if mask is None:
+        lengths = xp.asarray(segment_lengths(x.shape[-2], m), dtype=x.dtype,
+                             device=xp_device(x))
+        return _segment_sums(xp, x, m) / lengths[:, None], None
+    keep = mask[..., None]
+    sums = _segment_sums(xp, xp.where(keep, x, 0.0), m)
+    counts = _segment_sums(xp, xp.astype(keep, x.dtype), m)
+    means = sums / xp.where(counts > 0, counts, 1.0)
+    return means, counts[..., 0]
+
+
+def segment_means(x, m, /, *, key_mask=None, return_counts=False):
+    r"""Landmarks: the means of ``m`` contiguous segments of the tokens of ``x``.
+
+    When ``m`` does not divide ``n`` the segments are uneven -- the first ``n mod m``
+    have :math:`\lceil n/m\rceil` tokens, the others :math:`\lfloor n/m\rfloor` -- instead
+    of zero padding, whose zeros would be counted in the means and shrink them.
+
+    Parameters
+    ----------
+    x : array, shape ``(..., n, c)``
+        Tokens (queries or keys).
+    m : int
+        Number of segments, ``1 <= m <= n``.
+    key_mask : boolean array, shape ``(..., n)``, optional
+        ``True`` marks a real token; masked tokens are left out of the means (their
+        values, even inf or NaN, never enter).  A segment without any real token has
+        mean 0 and count 0.
+    return_counts : bool
+        Also return the number of real tokens of each segment (floating, shape
+        ``(..., m)``; without ``key_mask``, shape ``(m,)``: the segment lengths).
+
+    Returns
+    -------
+    means : array, shape ``(..., m, c)``
+        Same namespace, device and dtype as ``x``.
+    counts : array
+        Only with ``return_counts=True``.
+
+    Raises
+    ------
+    ValueError
+        ``m > n`` or ``m < 1``, or a ``key_mask`` of the wrong shape.
+    TypeError
+        Non-floating ``x``, non-boolean ``key_mask``, mixed libraries.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import segment_means
+    >>> x = np.arange(5.0)[:, None]              # n = 5 tokens, m = 2 -> lengths 3, 2
+    >>> segment_means(x, 2)[:, 0]
+    array([1. , 3.5])
+    >>> means, counts = segment_means(x, 2, key_mask=np.array([1, 0, 1, 0, 0], bool),
+    ...                               return_counts=True)
+    >>> means[:, 0], counts
+    (array([1., 0.]), array([2., 0.]))
+    """
+    xp = xp_namespace(x, key_mask, names=("x", "key_mask"))
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions (..., n, c); got shape "
+                         f"{tuple(x.shape)}")
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"x must have a real floating dtype; got {x.dtype}")
+    n = x.shape[-2]
+    m = check_positive_int("m", m)
+    if m > n:
+        raise ValueError(f"m={m} segments cannot be formed from n={n} tokens "
+                         f"(x of shape {tuple(x.shape)}); need m <= n")
+    if key_mask is not None:
+        check_same_array_kind(xp, "x", x, "key_mask", key_mask)
+        if key_mask.dtype != xp.bool:
+            raise TypeError(f"key_mask must be a boolean array (True = keep); got dtype "
+                            f"{key_mask.dtype}")
+        if key_mask.ndim < 1 or key_mask.shape[-1] != n:
+            raise ValueError(f"key_mask must have shape (..., n) with n={n} tokens; got "
+                             f"shape {tuple(key_mask.shape)}")
+    work = compute_dtype(xp, x.dtype)
+    means, counts = _segment_means(xp, xp.astype(x, work, copy=False), m, key_mask)
+    means = xp.astype(means, x.dtype, copy=False)
+    if not return_counts:
+        return means
+    if counts is None:
+        counts = xp.asarray(segment_lengths(n, m), dtype=work, device=xp_device(x))
+    return means, xp.astype(counts, x.dtype, copy=False)
+
+
+def _check_query_mask(p, query_mask, q):
+    """``query_mask (..., n)`` boolean, broadcastable to the batch."""
+    if query_mask is None:
+        return None
+    if query_mask.ndim < 1 or query_mask.shape[-1] != p.n:
+        raise ValueError(f"query_mask must have shape (..., n) with n={p.n} queries; got "
+                         f"shape {tuple(query_mask.shape)}")
+    # The same dtype, device and batch checks as a key mask, on the query axis.
+    return check_key_mask(dataclasses.replace(p, s=p.n), query_mask, q, name="query_mask")
+
+
+def _landmarks(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, variant):
+    """Shared front of both variants: validated, scaled working arrays and landmarks.
+
+    Returns ``wq``, ``wv`` (working dtype), ``qt`` (query landmarks times scale), ``kt``
+    (key landmarks), ``kts`` (key landmarks times scale), ``qvalid``/``kvalid`` (``(..., m)`` booleans, ``None`` when no
+    landmark can be empty) and ``bv = softmax(qt k^T) v`` ``(..., m, dv)`` (rows of
+    empty query landmarks are 0; masked keys take no part).
+    """
+    xp = p.xp
+    check_key_mask(p, key_mask, q)
+    _check_query_mask(p, query_mask, q)
+    m = check_positive_int("num_landmarks", num_landmarks)
+    if m > min(p.n, p.s):
+        raise ValueError(
+            f"{variant}: num_landmarks={m} exceeds the number of queries n={p.n} or keys "
+            f"s={p.s}; each landmark is the mean of at least one token (use m <= "
+            f"{min(p.n, p.s)})")
+    scale = check_scale(scale, p.d)
+    # The scale is folded into the (m, d) landmarks, never into the (n, d) queries: every
+    # logit pairs a landmark with a token or with another landmark.
+    wq = xp.astype(q, p.work_dtype, copy=False)
+    wk = xp.astype(k, p.work_dtype, copy=False)
+    wv = xp.astype(v, p.work_dtype, copy=False)
+    qt, qcount = _segment_means(xp, wq, m, query_mask)
+    qt = qt * scale
+    kt, kcount = _segment_means(xp, wk, m, key_mask)
+    qvalid = None if qcount is None else qcount > 0
+    kvalid = None if kcount is None else kcount > 0
+    allowed = None
+    if key_mask is not None:
+        allowed = xp.expand_dims(key_mask, axis=-2)
+    if qvalid is not None:
+        rows = qvalid[..., None]
+        allowed = rows if allowed is None else (rows & allowed)
+    bv = attend(xp, qt @ xp.matrix_transpose(wk), wv, allowed)
+    return wq, wv, qt, kt, kt * scale, qvalid, kvalid, bv
+
+
+def _conv_skip(p, v, key_mask, conv_kernel):
+    """Depthwise convolution of ``v`` along the tokens (the official model's skip):
+    ``out_i = sum_t w_t v_{i + t - K//2}`` with zero padding, one kernel per head."""
+    xp = p.xp
+    if p.n != p.s:
+        raise ValueError(f"conv_kernel needs self-attention (n == s) to add a convolution "
+                         f"of v to the output; got n={p.n}, s={p.s}")
+    check_same_array_kind(xp, "v", v, "conv_kernel", conv_kernel)
+    if not xp.isdtype(conv_kernel.dtype, "real floating"):
+        raise TypeError(f"conv_kernel must have a real floating dtype; got {conv_kernel.dtype}")
+    if conv_kernel.ndim < 1 or conv_kernel.shape[-1] % 2 == 0:
+        raise ValueError(f"conv_kernel must have shape (..., K) with an odd K (the output "
+                         f"is centred); got shape {tuple(conv_kernel.shape)}")
+    width = conv_kernel.shape[-1]
+    w = xp.astype(conv_kernel, p.work_dtype, copy=False)
+    wv = xp.astype(v, p.work_dtype, copy=False)
+    if key_mask is not None:
+        wv = xp.where(key_mask[..., None], wv, 0.0)   # padded tokens do not leak
+    half = width // 2
+    pad = xp.zeros((*wv.shape[:-2], half, wv.shape[-1]), dtype=wv.dtype, device=p.device)
+    padded = xp.concat([pad, wv, pad], axis=-2) if half else wv
+    out = 0.0
+    for t in range(width):  # a loop over the K taps, not over tokens
+        out = out + w[..., t, None, None] * padded[..., t:t + p.n, :]
+    return out
+
+
+def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_iters=6,
+                      pinv_init="per_matrix", pinv_rtol=None, scale=None, key_mask=None,
+                      query_mask=None, conv_kernel=None, causal=False):
+    r"""Nyströmformer attention (Xiong et al. 2021).
+
+    .. math::
+
+        O = \operatorname{softmax}(Q\tilde K^\top c)\;
+            \operatorname{pinv}\!\big(\operatorname{softmax}(\tilde Q\tilde K^\top c)\big)\;
+            \operatorname{softmax}(\tilde Q K^\top c)\, V \;[+\ \operatorname{conv}(V)]
+
+    with ``c = scale`` on every logit and landmarks :math:`\tilde Q, \tilde K` the means
+    of ``m`` contiguous segments of ``q`` and ``k`` (:func:`segment_means`: uneven
+    segments when ``m`` does not divide the length, never zero padding).  Computed
+    right to left: ``O(n m d + s m d + m^3)`` time, ``O((n + s) m)`` memory; the
+    ``n x s`` matrix is never formed.
+
+    ``num_landmarks == n == s`` is not special-cased: every token is its own landmark,
+    :math:`\tilde Q = Q`, :math:`\tilde K = K`, and with ``pinv="svd"`` the formula is
+    :math:`S S^+ S V = S V`, exact softmax attention (tested to ~1e-10 in float64).
+
+    Parameters
+    ----------
+    q : array, shape ``(..., n, d)``
+    k : array, shape ``(..., s, d)``
+    v : array, shape ``(..., s, dv)``
+        Leading dimensions broadcast (batch, heads).
+    num_landmarks : int
+        ``m``, at most ``min(n, s)``.  Default 64 (the paper's value for long inputs).
+    pinv : {"iterative", "svd"}
+        Pseudo-inverse of the ``m x m`` landmark matrix: Razavi's iteration (the
+        paper's) or the exact SVD one; see :func:`arrayattn.pinv`.
+    pinv_iters : int
+        Iterations of the ``"iterative"`` pseudo-inverse (paper: 6).
+    pinv_init : {"per_matrix", "global"}
+        ``Z0`` scaling of the iterative pseudo-inverse: per matrix (default) or one
+        maximum over the whole batch and all heads (the official code's; converges no
+        faster and usually slower).
+    pinv_rtol : float, optional
+        Singular-value cutoff of ``"svd"`` (default ``m * eps``).
+    scale : float, optional
+        Logit scale, ``None`` means ``1/sqrt(d)``; applied to all three softmaxes.
+    key_mask : boolean array, shape ``(..., s)``, optional
+        ``True`` marks a real key.  Masked keys are left out of the key landmarks and of
+        the softmax over keys, so they have no influence at all; a key segment with no
+        real key is dropped from the landmarks.
+    query_mask : boolean array, shape ``(..., n)``, optional
+        ``True`` marks a real query.  Masked queries are left out of the query
+        landmarks (so padding does not bias them); their own outputs are still
+        computed.  For padded self-attention pass the padding mask as both masks.
+    conv_kernel : array, shape ``(..., K)``, optional
+        Adds the official model's depthwise convolution skip,
+        :math:`\sum_t w_t V_{i + t - \lfloor K/2\rfloor}` (zero padding, odd ``K``, one
+        kernel per head broadcast against the batch dims; masked values are zeroed
+        first).  Self-attention only (``n == s``).
+    causal : bool
+        Must be False: the landmarks mix future tokens into every output.
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+        Same namespace, device and dtype as ``q`` (half precisions computed in float32).
+
+    Raises
+    ------
+    ValueError
+        ``causal=True``; ``num_landmarks > min(n, s)``; bad shapes or options.
+    TypeError
+        Bad dtypes, mixed libraries.
+
+    Notes
+    -----
+    Rows of the implied matrix sum to 1 when the landmark matrix is invertible (its
+    rows do, so its inverse maps 1 to 1) -- to rounding with ``"svd"``, to the
+    pseudo-inverse residual :math:`\lVert I - AZ\rVert` with ``"iterative"``.  The
+    iterative pseudo-inverse is differentiable on every backend.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import nystrom_attention, softmax_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 10, 4)) for _ in range(3))
+    >>> out = nystrom_attention(q, k, v, num_landmarks=3)
+    >>> out.shape
+    (2, 10, 4)
+    >>> exact = nystrom_attention(q, k, v, num_landmarks=10, pinv="svd")  # m = n
+    >>> bool(np.allclose(exact, softmax_attention(q, k, v), rtol=0, atol=1e-10))
+    True
+    """
+    p = check_qkv(q, k, v)
+    check_no_causal(causal, "nystrom_attention", _NOT_CAUSAL)
+    check_choice("pinv", pinv, PINV_METHODS)
+    check_choice("pinv_init", pinv_init, PINV_INITS)
+    iters = check_positive_int("pinv_iters", pinv_iters, minimum=0)
+    if pinv_rtol is not None and pinv != "svd":
+        raise ValueError("pinv_rtol applies to pinv='svd' only")
+    xp = p.xp
+    wq, wv, qt, kt, kts, qvalid, kvalid, bv = _landmarks(
+        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
+        query_mask=query_mask, variant="nystrom_attention")
+    kcols = None if kvalid is None else kvalid[..., None, :]
+    allowed = kcols
+    if qvalid is not None:
+        allowed = qvalid[..., None] if allowed is None else (qvalid[..., None] & allowed)
+    # A: empty landmarks are zero rows/columns, whose pseudo-inverse is zero there too.
+    a = masked_softmax(xp, qt @ xp.matrix_transpose(kt), allowed)
+    if pinv == "svd":
+        z = _svd_pinv(xp, a, pinv_rtol)
+    else:
+        z = _iterative_pinv(xp, a, iters, pinv_init)
+    out = attend(xp, wq @ xp.matrix_transpose(kts), z @ bv, kcols)
+    if conv_kernel is not None:
+        out = out + _conv_skip(p, v, key_mask, conv_kernel)
+    return xp.astype(out, p.dtype, copy=False)
+
+
+def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=None,
+                       query_mask=None, causal=False):
+    r"""The two-softmax landmark attention from which Nyströmformer is derived.
+
+    .. math::
+
+        O = \operatorname{softmax}(Q\tilde K^\top c)\,
+            \operatorname{softmax}(\tilde Q K^\top c)\, V
+
+    (Xiong et al. 2021, before the middle factor is inserted); ``c = scale``,
+    landmarks as in :func:`nystrom_attention`.  Both factors are row-stochastic, so the
+    rows of the implied ``n x s`` matrix sum to 1 (attending to a constant returns it).
+
+    Parameters
+    ----------
+    q, k, v : arrays, shapes ``(..., n, d)``, ``(..., s, d)``, ``(..., s, dv)``
+    num_landmarks : int
+        ``m <= min(n, s)``.
+    scale : float, optional
+        ``None`` means ``1/sqrt(d)``.
+    key_mask, query_mask : boolean arrays, shapes ``(..., s)``, ``(..., n)``, optional
+        As in :func:`nystrom_attention`.  A landmark index ``j`` whose key segment or
+        query segment has no real token is dropped from both factors (they are paired
+        by index), so rows still sum to 1.
+    causal : bool
+        Must be False.
+
+    Returns
+    -------
+    array, shape ``(..., n, dv)``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import landmark_attention
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 9, 4)), rng.standard_normal((2, 12, 4))
+    >>> out = landmark_attention(q, k, np.ones((2, 12, 1)), num_landmarks=4)
+    >>> bool(np.allclose(out, 1.0))
+    True
+    """
+    p = check_qkv(q, k, v)
+    check_no_causal(causal, "landmark_attention", _NOT_CAUSAL)
+    xp = p.xp
+    wq, wv, _, _, kts, qvalid, kvalid, bv = _landmarks(
+        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
+        query_mask=query_mask, variant="landmark_attention")
+    valid = kvalid if qvalid is None else (qvalid if kvalid is None else qvalid & kvalid)
+    out = attend(xp, wq @ xp.matrix_transpose(kts), bv,
+                 None if valid is None else valid[..., None, :])
+    return xp.astype(out, p.dtype, copy=False)
+
+
+def _register_nystrom(pinv: str, citation: str, notes: str) -> None:
+    # Neither record is ``normalized`` in the registry's sense (rows sum to 1 up to
+    # 16 s eps): the iterative rows only to the pinv residual ||I - AZ||, the SVD rows
+    # to ~eps * cond(A), and the landmark matrix of near-uniform attention has cond
+    # 1e4-1e5.  tests/test_nystrom.py checks both bounds.
+    register(Variant(
+        name=f"nystrom_{pinv}",
+        fn=nystrom_attention,
+        family="low_rank",
+        exact=False,
+        causal=False,
+        key_mask=True,
+        normalized=False,
+        defaults={"num_landmarks": 64, "pinv": pinv},
+        parameter="num_landmarks",
+        complexity="O((n + s) m d + m^3) time, O((n + s) m) memory",
+        citation=citation,
+        notes=notes,
+    ))
+
+
+_register_nystrom(
+    "iterative", "Xiong et al. 2021, Nyströmformer (AAAI); pinv: Razavi et al. 2014",
+    "6 iterations; rows sum to 1 only up to the pseudo-inverse residual ||I - AZ||")
+_register_nystrom(
+    "svd", "Xiong et al. 2021, Nyströmformer (AAAI)",
+    "exact SVD pseudo-inverse (cutoff m*eps); equals exact attention when m = n = s; "
+    "rows sum to 1 to ~eps * cond(landmark matrix)")
+
+register(Variant(
+    name="landmark",
+    fn=landmark_attention,
+    family="low_rank",
+    exact=False,
+    causal=False,
+    key_mask=True,
+    normalized=True,
+    defaults={"num_landmarks": 64},
+    parameter="num_landmarks",
+    complexity="O((n + s) m d) time, O((n + s) m) memory",
+    citation="Xiong et al. 2021, Nyströmformer (AAAI), the two-softmax form",
+))
