@@ -18,6 +18,9 @@ from .linformer import linformer_attention, linformer_projection
 from .sparse import (BlockLayout, bigbird_layout, block_layout, fixed_layout, local_attention,
                      local_layout, longformer_layout, sparse_attention, strided_layout)
 from .pooling import pooled_spans, pooling_attention
+from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
+from .performer import performer_attention
+from .rfa import rfa_attention
 
 __version__ = "0.1.0"
 
@@ -35,4 +38,6 @@ __all__ = [
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
     "pooling_attention", "pooled_spans",
+    "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
+    "performer_attention", "rfa_attention",
 ]
