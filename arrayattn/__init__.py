@@ -14,6 +14,9 @@ from .kernel import (LinearAttentionState, efficient_attention, feature_attentio
                      linear_attention_step)
 from .linalg import pinv
 from .nystrom import landmark_attention, nystrom_attention, segment_means
+from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
+from .performer import performer_attention
+from .rfa import rfa_attention
 
 __version__ = "0.1.0"
 
@@ -27,4 +30,6 @@ __all__ = [
     "linear_attention", "linear_attention_state", "linear_attention_step",
     "efficient_attention",
     "pinv", "segment_means", "nystrom_attention", "landmark_attention",
+    "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
+    "performer_attention", "rfa_attention",
 ]
