@@ -16,7 +16,7 @@ from .linalg import pinv
 from .nystrom import landmark_attention, nystrom_attention, segment_means
 from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
 from .performer import performer_attention
-from .rfa import rfa_attention
+from .rfa import rfa_attention, rfa_features
 
 __version__ = "0.1.0"
 
@@ -31,5 +31,5 @@ __all__ = [
     "efficient_attention",
     "pinv", "segment_means", "nystrom_attention", "landmark_attention",
     "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
-    "performer_attention", "rfa_attention",
+    "performer_attention", "rfa_attention", "rfa_features",
 ]
