@@ -242,7 +242,9 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
 
     Parameters
     ----------
-    q, k, v : arrays ``(..., n, d)``, ``(..., s, d)``, ``(..., s, dv)``
+    q : array, shape ``(..., n, d)``
+    k : array, shape ``(..., s, d)``
+    v : array, shape ``(..., s, dv)``
     num_features : int
         ``m``, the number of random rows (``2m`` features) when ``features`` is not given.
     seed : int
