@@ -295,8 +295,12 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
     stabiliser needed) but **signed**: the denominator :math:`\sum_j \phi(\hat q_i)\cdot
     \phi(\hat k_j)` can be near zero or negative when the kernel values are small
     compared with the estimator's standard deviation ``~(2m)^{-1/2}`` (small ``σ``, few
-    visible keys, strong gate decay).  A zero denominator gives a zero row (``eps``);
-    a small one gives a large, finite row -- the estimate itself is poor there.
+    visible keys, strong gate decay).  A denominator with ``|den| <= eps`` (by default
+    only zero) gives a zero row, never NaN; a small non-zero one gives a large row -- the
+    estimate itself is poor there.  Since ``|φ(q̂)·φ(k̂)| <= 1`` the numerator is at most
+    ``s max|v|``, so the row stays finite unless ``|den| < s max|v| / max_float``
+    (``~1e-34`` in float32 for ``s max|v| ~ 1e4``); pass a larger ``eps`` to zero such
+    rows as well.
 
     Cost: ``O((n + s) m (d + dv))`` non-causal; causal chunked
     ``O(n m (c + dv) + n c dv)`` with ``c = chunk_size``, a ``2m x (dv + 1)`` state per
