@@ -348,8 +348,9 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
     features = _resolve_features(p, features, num_features, projection, norms, seed)
     rows = feature_rows(xp, features.on(xp, dtype=wd, device=dev), "trig",
                         1.0 / (sigma * sigma))
-    # The constant m^-1/2 of φ cancels in the ratio and is left out.
-    phi_q = _trig(xp, _normalize(xp, xp.astype(q, wd, copy=False)), rows)
+    # φ(q)·φ(k) carries the factor 1/m (both m^-1/2), put on the query side, so that the
+    # denominator compared with eps is the documented one (exact when m is a power of 2).
+    phi_q = _trig(xp, _normalize(xp, xp.astype(q, wd, copy=False)), rows) * (1.0 / features.m)
     wk = xp.astype(k, wd, copy=False)
     wv = xp.astype(v, wd, copy=False)
     if key_mask is not None:  # padding may hold anything, even inf or NaN
