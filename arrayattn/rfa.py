@@ -21,7 +21,7 @@ the sin/cos rows are :func:`~arrayattn.random_features.feature_rows` of ``kind="
 at ``scale = 1/σ²``, without the Performer trig map's ``exp(‖x̃‖²/2)`` factor, which is
 constant for unit vectors.
 
-Gated RFA (the paper's section 3.2, causal only): with a gate :math:`g_t \in (0, 1)` per
+Gated RFA (the paper's gating mechanism, causal only): with a gate :math:`g_t \in (0, 1)` per
 position,
 
 .. math::
@@ -299,7 +299,7 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
     only zero) gives a zero row, never NaN; a small non-zero one gives a large row -- the
     estimate itself is poor there.  Since ``|φ(q̂)·φ(k̂)| <= 1`` the numerator is at most
     ``s max|v|``, so the row stays finite unless ``|den| < s max|v| / max_float``
-    (``~1e-34`` in float32 for ``s max|v| ~ 1e4``); pass a larger ``eps`` to zero such
+    (``~3e-35`` in float32 for ``s max|v| ~ 1e4``); pass a larger ``eps`` to zero such
     rows as well.
 
     Cost: ``O((n + s) m (d + dv))`` non-causal; causal chunked
