@@ -21,8 +21,8 @@ the sin/cos rows are :func:`~arrayattn.random_features.feature_rows` of ``kind="
 at ``scale = 1/σ²``, without the Performer trig map's ``exp(‖x̃‖²/2)`` factor, which is
 constant for unit vectors.
 
-Gated RFA (the paper's gating mechanism, causal only): with a gate :math:`g_t \in (0, 1)` per
-position,
+Gated RFA (the paper's gating mechanism, causal only): with a gate
+:math:`g_t \in (0, 1)` per position,
 
 .. math::
 
