@@ -5,39 +5,41 @@ PyTorch, JAX and array-api-strict arrays, returning an array of the caller's own
 library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
+# Import order is registration order: the report, the docs catalogue and the benchmarks
+# list the variants family by family.
 from .exact import softmax_attention
-from .lsh import lsh_attention, lsh_buckets, lsh_rotations
-from .luna import luna_attention
 from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
 from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
                      feature_attention_step, linear_attention, linear_attention_state,
                      linear_attention_step)
+from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
+from .performer import performer_attention
+from .rfa import rfa_attention, rfa_features
 from .linalg import pinv
 from .nystrom import landmark_attention, nystrom_attention, segment_means
 from .linformer import linformer_attention, linformer_projection
+from .luna import luna_attention
 from .sparse import (BlockLayout, bigbird_layout, block_layout, fixed_layout, local_attention,
                      local_layout, longformer_layout, sparse_attention, strided_layout)
 from .pooling import pooled_spans, pooling_attention
-from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
-from .performer import performer_attention
-from .rfa import rfa_attention
+from .lsh import lsh_attention, lsh_buckets, lsh_rotations
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants",
     "softmax_attention",
-    "lsh_attention", "lsh_buckets", "lsh_rotations",
-    "luna_attention",
     "FeatureMap", "get_feature_map", "taylor_feature_map",
     "LinearAttentionState", "feature_attention", "feature_attention_step",
     "linear_attention", "linear_attention_state", "linear_attention_step",
     "efficient_attention",
+    "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
+    "performer_attention", "rfa_attention", "rfa_features",
     "pinv", "segment_means", "nystrom_attention", "landmark_attention",
     "linformer_attention", "linformer_projection",
+    "luna_attention",
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
     "pooling_attention", "pooled_spans",
-    "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
-    "performer_attention", "rfa_attention",
+    "lsh_attention", "lsh_buckets", "lsh_rotations",
 ]

@@ -1,109 +1,244 @@
 r"""Random Feature Attention (RFA), with the optional gated recurrence.
 
-Peng et al. 2021, "Random Feature Attention" (ICLR 2021).  With ℓ2-normalised queries and
-keys, ``exp(q̂·k̂/σ²) = e^{1/σ²} exp(-‖q̂ - k̂‖²/(2σ²))``, and the Gaussian kernel is the
-expectation of random Fourier features
-``φ(x) = m^{-1/2} [sin(w_1·x), .., sin(w_m·x), cos(w_1·x), .., cos(w_m·x)]``,
-``w_i ~ N(0, σ^{-2} I_d)`` (Rahimi & Recht 2007).  So RFA is the trigonometric random-feature
-attention of :mod:`arrayattn.performer` on ``q̂, k̂`` with ``scale = 1/σ²`` (``w = ω/σ``),
-and is computed by it.
+Peng, Pappas, Yogatama, Schwartz, Smith, Kong, "Random Feature Attention", ICLR 2021.
 
-The gated variant (the paper's section 3.1, for causal attention) carries a recency bias:
+Random Fourier features (Rahimi & Recht 2007) of ℓ2-normalised queries and keys,
 
 .. math::
 
-    S_t = g_t S_{t-1} + (1 - g_t)\, \phi(k_t) v_t^\top,\qquad
-    z_t = g_t z_{t-1} + (1 - g_t)\, \phi(k_t),\qquad
-    o_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)\cdot z_t},
+    \phi(x) = m^{-1/2}\,[\sin(w_1\cdot\hat x), \ldots, \sin(w_m\cdot\hat x),
+                         \cos(w_1\cdot\hat x), \ldots, \cos(w_m\cdot\hat x)],
+    \qquad \hat x = x/\|x\|,\quad w_f = \omega_f/\sigma,\ \omega_f \sim N(0, I_d),
 
-with a gate ``g_t in (0, 1)`` per position.  In the paper ``g_t = sigmoid(w_g·x_t + b_g)`` is
-learned; arrayattn has no parameters, so the caller passes ``g``.
+satisfy :math:`E[\phi(\hat q)\cdot\phi(\hat k)] = \exp(-\|\hat q - \hat k\|^2/(2\sigma^2))`,
+and for unit vectors :math:`\exp(\hat q\cdot\hat k/\sigma^2) = e^{1/\sigma^2}
+\exp(-\|\hat q - \hat k\|^2/(2\sigma^2))`: the Gaussian-kernel estimate is proportional,
+with one constant for every pair, to the softmax kernel of the normalised inputs at
+temperature :math:`\sigma^2`.  The constant cancels in the attention ratio, so RFA
+estimates ``softmax(q̂ k̂ᵀ / σ²) v``.  The rows ``ω`` are a
+:class:`~arrayattn.random_features.RandomFeatures` (the Performer's host-drawn projection);
+the sin/cos rows are :func:`~arrayattn.random_features.feature_rows` of ``kind="trig"``
+at ``scale = 1/σ²``, without the Performer trig map's ``exp(‖x̃‖²/2)`` factor, which is
+constant for unit vectors.
+
+Gated RFA (the paper's gating mechanism, causal only): with a gate
+:math:`g_t \in (0, 1)` per position,
+
+.. math::
+
+    S_t = g_t S_{t-1} + (1 - g_t)\,\phi(k_t) v_t^\top,\quad
+    z_t = g_t z_{t-1} + (1 - g_t)\,\phi(k_t),\quad
+    o_t = \frac{\phi(q_t)^\top S_t}{\phi(q_t)\cdot z_t},\quad S_0 = 0,\ z_0 = 0,
+
+i.e. key ``j <= t`` reaches query ``t`` with weight
+:math:`(1 - g_j)\prod_{j < l \le t} g_l`.  In the paper
+:math:`g_t = \mathrm{sigmoid}(w_g\cdot x_t + b_g)` is learned; arrayattn has no
+parameters, so the caller passes ``g``.
 """
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from ._validate import (check_key_mask, check_positive_int, check_qkv,
-                        check_same_array_kind)
-from .kernel import _divide
-from .performer import performer_attention, performer_features
-from .random_features import RandomFeatures, as_features, feature_rows
+from ._validate import (_broadcast_batch, check_choice, check_key_mask, check_positive_int,
+                        check_qkv, check_same_array_kind)
+from .kernel import CAUSAL_METHODS, _divide, feature_attention
+from .performer import _augment, _col
+from .random_features import NORMS, PROJECTIONS, RandomFeatures, as_features, feature_rows
 from .registry import Variant, register
 
-__all__ = ["rfa_attention"]
+__all__ = ["rfa_attention", "rfa_features"]
+
+GATED_METHODS = ("chunked", "recurrent")
+
+
+def _check_sigma(sigma) -> float:
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (
+            math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"sigma must be a finite number > 0; got {sigma!r}")
+    return float(sigma)
 
 
 def _normalize(xp, x):
-    """``x / ‖x‖`` per row; a zero row stays zero."""
+    """``x / ‖x‖`` per row; a zero row stays zero (its features are those of the origin)."""
     norm = xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True))
     return x / xp.where(norm == 0, 1.0, norm)
 
 
-def _gated_scan(xp, phi_q, phi_k, v1, log_g, keep_w, *, chunk: int, device):
-    """Numerators ``(..., n, dv+1)`` of the gated recurrence, chunk by chunk.
+def _trig(xp, x_hat, rows):
+    """``[sin(w x̂), cos(w x̂)]`` (without ``m^-1/2``): one matmul with the phase folded in
+    as an extra column (``[x̂, 1] @ [W, a]^T``, ``a = 0`` or ``π/2``), one ``sin``."""
+    return xp.sin(_augment(xp, x_hat, 1.0) @ xp.matrix_transpose(
+        _augment(xp, rows.w, _col(xp, rows.a))))
 
-    With ``L_t`` the running sum of ``log g`` inside a chunk, key ``j`` reaches query
-    ``t >= j`` of the same chunk with weight ``(1 - g_j) e^{L_t - L_j} <= 1``; the state
-    entering a chunk reaches its query ``t`` with ``e^{L_t}``, and leaves the chunk as
-    ``S' = e^{L_end} S + sum_j (1 - g_j) e^{L_end - L_j} φ(k_j) [v_j, 1]^T``.  Every factor
-    is at most 1 (no overflow for any sequence length), and chunk ``c`` reads only chunks
-    ``<= c``.  A Python loop over chunks (not tokens).
+
+def _resolve_features(p, features, num_features, projection, norms, seed):
+    if features is None:
+        check_positive_int("num_features", num_features)
+        check_choice("projection", projection, PROJECTIONS)
+        check_choice("norms", norms, NORMS)
+        return RandomFeatures.draw(p.d, num_features, projection=projection, norms=norms,
+                                   seed=seed)
+    return as_features(features, p.d)
+
+
+def rfa_features(x, features, /, *, sigma=1.0):
+    r"""The RFA feature map :math:`\phi(\hat x)` of the rows of ``x``.
+
+    .. math::
+
+        \phi(x) = m^{-1/2}[\sin(w\hat x), \cos(w\hat x)],\quad \hat x = x/\|x\|,\quad
+        w = \omega/\sigma
+
+    so that :math:`E_\omega[\phi(x)\cdot\phi(y)] = \exp(-\|\hat x - \hat y\|^2/(2\sigma^2))`
+    for ``ω ~ N(0, I_d)`` (``projection="iid"`` or ``"orthogonal"`` with ``norms="chi"``).
+    A zero row is left at zero before the map.
+
+    Parameters
+    ----------
+    x : array, shape ``(..., t, d)``
+    features : RandomFeatures or array ``(m, d)``
+        The projection ``ω``.
+    sigma : float
+        The temperature ``σ > 0``.
+
+    Returns
+    -------
+    array, shape ``(..., t, 2m)``
+        Sines first, then cosines; in the namespace, dtype and device of ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import RandomFeatures, rfa_features
+    >>> f = RandomFeatures.draw(3, 20000, projection="iid", seed=0)
+    >>> x, y = np.array([[1.0, 0.0, 0.0]]), np.array([[0.0, 2.0, 0.0]])
+    >>> est = (rfa_features(x, f, sigma=0.5) @ rfa_features(y, f, sigma=0.5).T)[0, 0]
+    >>> bool(abs(est - np.exp(-2 / (2 * 0.25))) < 0.02)   # ‖x̂ - ŷ‖² = 2
+    True
     """
-    *batch, n, m = phi_q.shape
+    p = check_qkv(x, x, x, names=("x", "x", "x"))
+    sigma = _check_sigma(sigma)
+    xp = p.xp
+    features = as_features(features, p.d)
+    rows = feature_rows(xp, features.on(xp, dtype=p.work_dtype, device=p.device), "trig",
+                        1.0 / (sigma * sigma))
+    out = _trig(xp, _normalize(xp, xp.astype(x, p.work_dtype, copy=False)), rows)
+    out = out * (1.0 / math.sqrt(features.m))
+    return xp.astype(out, p.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------
+# The gated recurrence.  pq, pk (..., n, 2m) features, v1 = [v, 1] (..., n, dv + 1),
+# lg (..., n) = log g (0 where the key is masked), w (..., n) = 1 - g (0 where masked).
+# ---------------------------------------------------------------------------------
+
+def _gated_recurrent(xp, pq, pk, v1, g, w, device):
+    """``Sz_t = g_t Sz_{t-1} + (1 - g_t) φ(k_t) [v_t, 1]^T``, one token at a time (the
+    reference form; tokens taken with an index array, as in the kernel module)."""
+    *batch, n, m = pq.shape
+    sz = xp.zeros((*batch, m, v1.shape[-1]), dtype=pq.dtype, device=device)
+    outs = []
+    for t in range(n):
+        idx = xp.asarray([t], device=device)
+        kt, vt, qt = (xp.take(x, idx, axis=-2) for x in (pk, v1, pq))
+        gt, wt = (xp.take(x, idx, axis=-1)[..., None] for x in (g, w))
+        sz = gt * sz + wt * (xp.matrix_transpose(kt) @ vt)
+        outs.append(qt @ sz)
+    return outs[0] if n == 1 else xp.concat(outs, axis=-2)
+
+
+def _gated_chunked(xp, pq, pk, v1, lg, w, chunk: int, device):
+    """The same numerators, chunk by chunk, in log space; every factor is ``<= 1``.
+
+    Inside a chunk, ``E_tj = sum_{j < l <= t} log g_l`` (a masked cumulative sum per
+    pair, so a weight near 1 is not the difference of two large prefix sums) and key ``j``
+    reaches query ``t >= j`` with ``(1 - g_j) e^{E_tj}``.  With ``a_t = sum_{l <= t} log g_l``
+    from the chunk start, the state entering the chunk reaches query ``t`` with
+    ``e^{a_t}`` and leaves it as ``e^{a_end} S + sum_j (1 - g_j) e^{E_end,j} φ(k_j)
+    [v_j, 1]^T``.  A Python loop over the ``n / chunk`` chunks carries the state.
+    """
+    *batch, n, m = pq.shape
     dv1 = v1.shape[-1]
     c = min(chunk, n)
     nc = -(-n // c)
     pad = nc * c - n
     if pad:
-        def zpad(x, value=0.0):
-            z = xp.full((*x.shape[:-2], pad, x.shape[-1]), value, dtype=x.dtype,
-                        device=device)
-            return xp.concat([x, z], axis=-2)
-        phi_q, phi_k, v1 = zpad(phi_q), zpad(phi_k), zpad(v1)
-        log_g, keep_w = zpad(log_g), zpad(keep_w)
-    qc = xp.reshape(phi_q, (*batch, nc, c, m))
-    kc = xp.reshape(phi_k, (*batch, nc, c, m))
+        # Padding at the end: zero features, g = 1 (log 0), weight 0; outputs dropped.
+        def zpad(x, axis):
+            shape = list(x.shape)
+            shape[axis] = pad
+            return xp.concat([x, xp.zeros(tuple(shape), dtype=x.dtype, device=device)],
+                             axis=axis)
+        pq, pk, v1 = (zpad(x, -2) for x in (pq, pk, v1))
+        lg, w = zpad(lg, -1), zpad(w, -1)
+    qc = xp.reshape(pq, (*batch, nc, c, m))
+    kc = xp.reshape(pk, (*batch, nc, c, m))
     vc = xp.reshape(v1, (*batch, nc, c, dv1))
-    lc = xp.cumulative_sum(xp.reshape(log_g, (*batch, nc, c)), axis=-1)   # L_t
-    wc = xp.reshape(keep_w, (*batch, nc, c))                              # 1 - g_j
-    # (log_g, keep_w arrive as (..., n, 1); padded positions have g = 1 and add nothing)
-    lend = lc[..., -1:]
-    tril = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device))
-    expo = xp.where(tril, lc[..., :, None] - lc[..., None, :], -xp.inf)
-    decay = xp.exp(expo) * wc[..., None, :]                              # (.., nc, c, c)
-    a = (qc @ xp.matrix_transpose(kc)) * decay
-    intra = a @ vc                                                        # (.., nc, c, dv1)
-    kw = kc * (wc * xp.exp(lend - lc))[..., None]
+    lc = xp.reshape(lg, (*batch, nc, c))
+    wc = xp.reshape(w, (*batch, nc, c))
+    strict = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device), k=-1)
+    incl = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device))
+    # E[t, j] = sum over l in (j, t] of log g_l: row t of the summand holds log g_t for
+    # the columns j < t; a cumulative sum down the rows adds the rows j+1 .. t.
+    seg = xp.cumulative_sum(xp.where(strict, lc[..., :, None], 0.0), axis=-2)
+    # (mask last: a NaN gate of a future key must not reach earlier rows through 0 * NaN)
+    decay = xp.where(incl, xp.exp(seg) * wc[..., None, :], 0.0)          # (.., nc, c, c)
+    num = ((qc @ xp.matrix_transpose(kc)) * decay) @ vc                  # (.., nc, c, dv1)
+    into = xp.exp(xp.cumulative_sum(lc, axis=-1))                         # (.., nc, c)
+    carry = into[..., -1]                                                 # (.., nc)
+    kw = kc * (wc * xp.exp(seg[..., -1, :]))[..., None]
     upd = xp.matrix_transpose(kw) @ vc                                    # (.., nc, m, dv1)
-    into = xp.exp(lc)[..., None]                                          # (.., nc, c, 1)
-    carry = xp.exp(lend)[..., None]                                       # (.., nc, 1, 1)
-    state = xp.zeros((*batch, m, dv1), dtype=phi_q.dtype, device=device)
-    outs = []
-    for i in range(nc):
-        outs.append(intra[..., i, :, :] + into[..., i, :, :] * (qc[..., i, :, :] @ state))
-        state = carry[..., i, :, :] * state + upd[..., i, :, :]
-    num = xp.concat(outs, axis=-2) if nc > 1 else outs[0]
-    return num[..., :n, :]
+    state = xp.zeros((*batch, m, dv1), dtype=pq.dtype, device=device)
+    outs = [num[..., 0, :, :]]
+    for i in range(1, nc):
+        state = carry[..., i - 1, None, None] * state + upd[..., i - 1, :, :]
+        outs.append(num[..., i, :, :] + into[..., i, :, None] * (qc[..., i, :, :] @ state))
+    out = outs[0] if nc == 1 else xp.concat(outs, axis=-2)
+    return out[..., :n, :]
 
 
-def rfa_attention(q, k, v, /, *, num_features=128, sigma=1.0, seed=0, features=None,
-                  projection="iid", causal=False, gate=None, key_mask=None, chunk_size=64):
+def _check_gate(p, gate, q, batch):
+    """The gate as an array ``(..., n)`` in the working dtype, and the broadcast batch."""
+    xp = p.xp
+    if isinstance(gate, (int, float)) and not isinstance(gate, bool):
+        gate = float(gate)
+        if not 0.0 <= gate <= 1.0:
+            raise ValueError(f"gate must lie in [0, 1]; got {gate}")
+        return xp.full((p.n,), gate, dtype=p.work_dtype, device=p.device), batch
+    check_same_array_kind(xp, "q", q, "gate", gate)
+    if not xp.isdtype(gate.dtype, "real floating"):
+        raise TypeError(f"gate must have a real floating dtype; got {gate.dtype}")
+    if gate.ndim < 1 or gate.shape[-1] not in (p.n, 1):
+        raise ValueError(f"gate must have shape (..., n) or (..., 1) with n={p.n}; got "
+                         f"shape {tuple(gate.shape)} (q {tuple(q.shape)})")
+    batch = _broadcast_batch([("inputs", batch), ("gate", tuple(gate.shape[:-1]))])
+    return xp.astype(gate, p.work_dtype), batch
+
+
+def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=False,
+                  gate=None, key_mask=None, features=None, projection="iid", norms="chi",
+                  method=None, chunk_size=64, eps=None):
     r"""Random Feature Attention (Peng et al. 2021), optionally gated.
 
     .. math::
 
-        o_i = \frac{\sum_{j} \phi(\hat q_i)\cdot\phi(\hat k_j)\, v_j}
-                   {\sum_{j} \phi(\hat q_i)\cdot\phi(\hat k_j)},\qquad
-        \hat x = x / \|x\|,\quad
-        \phi(x) = m^{-1/2}[\sin(w x), \cos(w x)],\ w \sim N(0, \sigma^{-2} I)
+        o_i = \frac{\phi(\hat q_i)^\top \sum_{j\in J_i} \phi(\hat k_j)\, v_j^\top}
+                   {\phi(\hat q_i)\cdot \sum_{j\in J_i} \phi(\hat k_j)},\qquad
+        \phi(x) = m^{-1/2}[\sin(w x), \cos(w x)],\quad w = \omega/\sigma,\
+        \omega \sim N(0, I_d)
 
-    so that ``φ(q̂)·φ(k̂)`` is an unbiased estimate of
-    ``exp(-‖q̂ - k̂‖²/(2σ²)) = e^{-1/σ²} exp(q̂·k̂/σ²)``: softmax attention on the
-    normalised inputs at temperature ``σ²``.  Computed by :func:`performer_attention`
-    (``kind="trig"``, ``scale = 1/σ²``); with ``gate``, by the gated recurrence of the
-    paper (module docstring), chunked.
+    with :math:`\hat x = x/\|x\|`.  :math:`\phi(\hat q)\cdot\phi(\hat k)` is an unbiased
+    estimate of :math:`\exp(-\|\hat q - \hat k\|^2/(2\sigma^2)) = e^{-1/\sigma^2}
+    \exp(\hat q\cdot\hat k/\sigma^2)`, so RFA estimates softmax attention of the normalised
+    inputs with scale :math:`1/\sigma^2`.  ``J_i`` is every unmasked key, or with
+    ``causal=True`` those with ``j <= i + s - n``.  With ``gate``, the gated recurrence of
+    the paper (causal, ``n = s``):
+
+    .. math::
+
+        S_t = g_t S_{t-1} + (1 - g_t)\phi(\hat k_t) v_t^\top,\quad
+        z_t = g_t z_{t-1} + (1 - g_t)\phi(\hat k_t),\quad
+        o_t = \frac{\phi(\hat q_t)^\top S_t}{\phi(\hat q_t)\cdot z_t}.
 
     Parameters
     ----------
@@ -111,30 +246,65 @@ def rfa_attention(q, k, v, /, *, num_features=128, sigma=1.0, seed=0, features=N
     k : array, shape ``(..., s, d)``
     v : array, shape ``(..., s, dv)``
     num_features : int
-        ``m`` random rows (``2m`` features).
+        ``m``, the number of random rows (``2m`` features) when ``features`` is not given.
+    seed : int
+        Seed of the host draw (:meth:`RandomFeatures.draw`): same seed, same result on
+        every backend.
     sigma : float
-        The temperature ``σ > 0`` (``w = ω/σ``).
-    seed, projection, features
-        As in :func:`performer_attention` (``features`` holds ``ω ~ N(0, I)``; RFA uses iid
-        rows by default).
+        The temperature ``σ > 0``: ``w = ω/σ``, kernel ``exp(-‖q̂ - k̂‖²/(2σ²))``.
     causal : bool
-        End-aligned causal attention.
-    gate : array, shape ``(..., s)``, optional
-        ``g_t`` in ``(0, 1)`` per position (the caller's, e.g. a sigmoid of a learned
-        projection).  Requires ``causal=True`` and ``n = s``.  Values are not checked
-        (that would synchronise a GPU); ``g = 0`` keeps only the current token,
-        ``g -> 1`` forgets nothing but also adds nothing.
-    key_mask : boolean array, shape ``(..., s)``, optional
-        Masked keys contribute nothing; with a gate they are skipped (their gate is taken
-        as 1: no decay).
+        End-aligned causal attention (query ``i`` sees keys ``j <= i + s - n``).
+    gate : array ``(..., n)`` or ``(..., 1)``, or float, optional
+        ``g_t`` per position (``(..., 1)`` or a float: one gate for every position),
+        broadcast over the leading dimensions; e.g. a sigmoid of the caller's learned
+        projection.  Requires ``causal=True`` and ``n = s``.  **Precondition**
+        ``0 <= g <= 1``: ``g = 0`` restarts the state at that token, ``g = 1`` skips the
+        token (nothing decays, nothing is added).  Checking the values would synchronise a
+        GPU, so instead an array value outside ``[0, 1]`` (or NaN) makes the outputs at
+        and after its position NaN (a float is checked on the host).
+    key_mask : boolean array ``(..., s)``, optional
+        ``True`` = real key.  A masked key enters neither numerator nor denominator; with a
+        gate it is skipped (taken as ``g = 1``: no decay, no contribution).
+    features : RandomFeatures or array ``(m, d)``, optional
+        The projection ``ω ~ N(0, I_d)`` (replays a caller's or a peer's matrix exactly;
+        then ``num_features``, ``projection``, ``norms`` and ``seed`` are ignored).
+    projection : {"iid", "orthogonal"}
+        ``"iid"`` (as in the paper) or orthogonal blocks (lower variance).
+    norms : {"chi", "fixed", "quasi"}
+        Row lengths (see :meth:`RandomFeatures.draw`; only ``"chi"`` is unbiased).
+    method : {"chunked", "cumsum", "recurrent"}, optional
+        Causal form (``None`` = ``"chunked"``), all equal to rounding.  Without a gate,
+        those of :func:`arrayattn.feature_attention`; with a gate ``"chunked"`` (log-space
+        chunked scan) or ``"recurrent"`` (token by token, the reference).
     chunk_size : int
-        Chunk length of the gated scan.
+        Tokens per chunk of the chunked forms.
+    eps : float, optional
+        Guards the division only, as in :func:`arrayattn.feature_attention`: a row with
+        ``|den| <= eps`` returns zeros (default: the smallest normal number of the working
+        dtype, so only a zero denominator is caught); nothing is added to the features.
 
     Returns
     -------
-    array, shape ``(..., n, dv)``
-        In the namespace, dtype and device of ``q``.  Trig features may be negative: the
-        denominator is not clamped (see the Performer docs page).
+    array ``(..., n, dv)``
+        In the namespace, dtype and device of ``q`` (float16/bfloat16 computed in
+        float32).
+
+    Notes
+    -----
+    The sin/cos features are bounded (``|φ(q̂)·φ(k̂)| <= 1``: no overflow, no
+    stabiliser needed) but **signed**: the denominator :math:`\sum_j \phi(\hat q_i)\cdot
+    \phi(\hat k_j)` can be near zero or negative when the kernel values are small
+    compared with the estimator's standard deviation ``~(2m)^{-1/2}`` (small ``σ``, few
+    visible keys, strong gate decay).  A denominator with ``|den| <= eps`` (by default
+    only zero) gives a zero row, never NaN; a small non-zero one gives a large row -- the
+    estimate itself is poor there.  Since ``|φ(q̂)·φ(k̂)| <= 1`` the numerator is at most
+    ``s max|v|``, so the row stays finite unless ``|den| < s max|v| / max_float``
+    (``~3e-35`` in float32 for ``s max|v| ~ 1e4``); pass a larger ``eps`` to zero such
+    rows as well.
+
+    Cost: ``O((n + s) m (d + dv))`` non-causal; causal chunked
+    ``O(n m (c + dv) + n c dv)`` with ``c = chunk_size``, a ``2m x (dv + 1)`` state per
+    chunk.  The gated chunked form keeps one state and loops over the ``n / c`` chunks.
 
     Examples
     --------
@@ -152,71 +322,62 @@ def rfa_attention(q, k, v, /, *, num_features=128, sigma=1.0, seed=0, features=N
     >>> gated = rfa_attention(q, k, v, gate=g, causal=True)
     >>> bool(np.allclose(gated[:, 0], v[:, 0]))  # the first query sees only its own key
     True
+    >>> ref = rfa_attention(q, k, v, gate=g, causal=True, method="recurrent")
+    >>> bool(np.allclose(gated, ref))
+    True
     """
     p = check_qkv(q, k, v)
     check_key_mask(p, key_mask, q)
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (
-            math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"sigma must be a finite number > 0; got {sigma!r}")
-    scale = 1.0 / (sigma * sigma)
-    xp = p.xp
-    qn = _normalize(xp, xp.astype(q, p.work_dtype, copy=False))
-    kn = _normalize(xp, xp.astype(k, p.work_dtype, copy=False))
-    if gate is None:
-        out = performer_attention(qn, kn, xp.astype(v, p.work_dtype, copy=False),
-                                  features=features, num_features=num_features,
-                                  kind="trig", projection=projection, seed=seed,
-                                  scale=scale, causal=causal, key_mask=key_mask)
-        return xp.astype(out, p.dtype, copy=False)
-    if not causal:
-        raise ValueError("gate is the causal recurrence S_t = g_t S_(t-1) + (1 - g_t) "
-                         "phi(k_t) v_t^T; pass causal=True")
-    if p.n != p.s:
-        raise ValueError(f"gate requires n = s (self-attention); got n={p.n}, s={p.s}")
-    check_same_array_kind(xp, "q", q, "gate", gate)
-    if not xp.isdtype(gate.dtype, "real floating") or gate.ndim < 1 or \
-            gate.shape[-1] != p.s:
-        raise ValueError(f"gate must be a real floating array (..., s) with s={p.s}; got "
-                         f"shape {tuple(gate.shape)} and dtype {gate.dtype}")
+    sigma = _check_sigma(sigma)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    if features is None:
-        features = RandomFeatures.draw(p.d, check_positive_int("num_features", num_features),
-                                       projection=projection, seed=seed)
-    features = as_features(features, p.d)
-    omega = features.on(xp, dtype=p.work_dtype, device=p.device)
-    rows = feature_rows(xp, omega, "trig", scale)
-    phi_q, phi_k = performer_features(xp, qn, kn, rows, scale=scale, causal=True,
-                                      key_mask=key_mask)
-    g = xp.astype(gate, p.work_dtype)
-    if key_mask is not None:
-        g = xp.where(key_mask, g, 1.0)        # a masked position neither decays nor adds
-    log_g = xp.expand_dims(xp.log(g), axis=-1)
-    keep_w = xp.expand_dims(1 - g, axis=-1)
-    wv = xp.astype(v, p.work_dtype, copy=False)
-    if key_mask is not None:
+    xp, wd, dev = p.xp, p.work_dtype, p.device
+    if gate is not None:
+        if not causal:
+            raise ValueError("gate is the causal recurrence S_t = g_t S_(t-1) + (1 - g_t) "
+                             "phi(k_t) v_t^T; pass causal=True")
+        if p.n != p.s:
+            raise ValueError(f"gate requires n = s (one gate per token of a self-attention "
+                             f"sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        method = "chunked" if method is None else check_choice("method", method,
+                                                               GATED_METHODS)
+        batch = p.batch if key_mask is None else _broadcast_batch(
+            [("inputs", p.batch), ("key_mask", tuple(key_mask.shape[:-1]))])
+        g, batch = _check_gate(p, gate, q, batch)
+    elif method is not None:
+        check_choice("method", method, CAUSAL_METHODS)
+    features = _resolve_features(p, features, num_features, projection, norms, seed)
+    rows = feature_rows(xp, features.on(xp, dtype=wd, device=dev), "trig",
+                        1.0 / (sigma * sigma))
+    # φ(q)·φ(k) carries the factor 1/m (both m^-1/2), put on the query side, so that the
+    # denominator compared with eps is the documented one (exact when m is a power of 2).
+    phi_q = _trig(xp, _normalize(xp, xp.astype(q, wd, copy=False)), rows) * (1.0 / features.m)
+    wk = xp.astype(k, wd, copy=False)
+    wv = xp.astype(v, wd, copy=False)
+    if key_mask is not None:  # padding may hold anything, even inf or NaN
+        wk = xp.where(xp.expand_dims(key_mask, axis=-1), wk, 0.0)
         wv = xp.where(xp.expand_dims(key_mask, axis=-1), wv, 0.0)
-    v1 = xp.concat([wv, xp.ones((*wv.shape[:-1], 1), dtype=p.work_dtype, device=p.device)],
-                   axis=-1)
-    # (shapes only: np.broadcast_shapes never touches the arrays)
-    batch = tuple(np.broadcast_shapes(
-        p.batch, tuple(gate.shape[:-1]),
-        () if key_mask is None else tuple(key_mask.shape[:-1])))
-    shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
-    phi_q, phi_k, v1, log_g, keep_w = (xp.broadcast_to(x, shape(x))
-                                       for x in (phi_q, phi_k, v1, log_g, keep_w))
-    num = _gated_scan(xp, phi_q, phi_k, v1, log_g, keep_w, chunk=chunk_size,
-                      device=p.device)
-    out = _divide(xp, num, 0.0, p.work_dtype)
-    return xp.astype(out, p.dtype, copy=False)
-
-
-def _gated_call(q, k, v, /, *, gate=None, **options):
-    """Uniform call of ``rfa_gated``: a constant gate 0.9 unless the caller passes one."""
+    phi_k = _trig(xp, _normalize(xp, wk), rows)
     if gate is None:
-        from ._xp import xp_device, xp_namespace
-        xp = xp_namespace(q, k, v)
-        gate = xp.full(tuple(k.shape[:-1]), 0.9, dtype=k.dtype, device=xp_device(k))
-    return rfa_attention(q, k, v, gate=gate, **options)
+        out = feature_attention(phi_q, phi_k, wv, causal=causal, key_mask=key_mask, eps=eps,
+                                method=method, chunk_size=chunk_size)
+        return xp.astype(out, p.dtype, copy=False)
+    # Out-of-range gates poison (NaN) instead of a value check that would sync a GPU.
+    g = xp.where((g >= 0.0) & (g <= 1.0), g, xp.nan)
+    if key_mask is not None:
+        g = xp.where(key_mask, g, 1.0)          # a masked token: no decay, no contribution
+    g = xp.broadcast_to(g, (*batch, p.n))
+    w = 1.0 - g
+    v1 = xp.concat([wv, xp.ones((*wv.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)
+    shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
+    phi_q, phi_k, v1 = (xp.broadcast_to(x, shape(x)) for x in (phi_q, phi_k, v1))
+    if method == "recurrent":
+        num = _gated_recurrent(xp, phi_q, phi_k, v1, g, w, dev)
+    else:
+        # log g, with g = 0 taken as the smallest normal number (a restart to rounding).
+        lg = xp.log(xp.maximum(g, float(xp.finfo(wd).smallest_normal)))
+        num = _gated_chunked(xp, phi_q, phi_k, v1, lg, w, chunk_size, dev)
+    out = _divide(xp, num, eps, wd)
+    return xp.astype(out, p.dtype, copy=False)
 
 
 register(Variant(
@@ -230,29 +391,12 @@ register(Variant(
     defaults={"num_features": 128, "sigma": 1.0, "seed": 0},
     parameter="num_features",
     random=True,
-    complexity="O((n + s) m d) time, O((n + s) m) memory",
+    complexity="O((n + s) m (d + dv)) time, O((n + s) m) memory; causal chunked "
+               "O(n m (c + dv))",
     citation="Peng et al. 2021, Random Feature Attention (ICLR 2021)",
-    notes="Random Fourier (sin/cos) features of l2-normalised q, k at temperature sigma; "
-          "estimates softmax attention of q/|q|, k/|k| with scale 1/sigma^2. Trig features "
-          "may be negative.",
-))
-
-register(Variant(
-    name="rfa_gated",
-    fn=rfa_attention,
-    call=_gated_call,
-    family="random_features",
-    exact=False,
-    causal=True,
-    key_mask=True,
-    normalized=True,
-    defaults={"num_features": 128, "sigma": 1.0, "seed": 0, "causal": True},
-    parameter="num_features",
-    random=True,
-    cross=False,
-    complexity="O(n m d) time, chunked scan (Python loop over n / chunk chunks)",
-    citation="Peng et al. 2021, Random Feature Attention (ICLR 2021), gated variant",
-    notes="Gated causal recurrence S_t = g_t S_(t-1) + (1 - g_t) phi(k_t) v_t^T; the "
-          "uniform call uses a constant gate 0.9 unless gate= (an (..., s) array in (0, 1)) "
-          "is passed. Causal only (causal=False raises), n = s.",
+    notes="Random Fourier (sin/cos) features of l2-normalised q, k at temperature sigma "
+          "(w = omega/sigma, omega iid N(0, I)); estimates softmax attention of q/|q|, "
+          "k/|k| with scale 1/sigma^2. Signed features: the denominator may be near zero. "
+          "The gated recurrence (gate=, causal only) takes the caller's gate and is not "
+          "part of the uniform call.",
 ))
