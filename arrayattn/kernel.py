@@ -217,8 +217,9 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     causal : bool
         End-aligned causal attention: query ``i`` sees key ``j <= i + (s - n)``.
     key_mask : boolean array, shape ``(..., s)``, optional
-        ``True`` = real key.  A masked key's features are replaced by zeros, so it
-        enters neither the numerator nor the denominator.
+        ``True`` = real key.  A masked key's features and value are replaced by
+        zeros, so it enters neither the numerator nor the denominator (padding may
+        hold inf or NaN).
     eps : float, optional
         Guards the division only.  A row whose denominator has ``|den| <= eps`` (no
         visible key, or every kernel value zero) returns zeros; every other row is
@@ -286,9 +287,11 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     batch = p.batch if state is None else _check_state(p, state, phi_q, m)
     pq = xp.astype(phi_q, wd, copy=False)
     pk = xp.astype(phi_k, wd, copy=False)
-    if key_mask is not None:
-        pk = xp.where(key_mask[..., None], pk, 0.0)
     wv = xp.astype(v, wd, copy=False)
+    if key_mask is not None:
+        # Zero the values too: padding may hold inf/NaN, and 0 * inf = NaN.
+        pk = xp.where(key_mask[..., None], pk, 0.0)
+        wv = xp.where(key_mask[..., None], wv, 0.0)
     # Augment v with ones: the last output column is the denominator.
     v1 = xp.concat(
         [wv, xp.ones((*wv.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)

@@ -556,3 +556,22 @@ class TestEfficientAttention:
         assert (a > 0).all()
         with pytest.raises(ValueError, match="efficient_attention cannot be causal"):
             efficient_attention(*(backend.asarray(x) for x in (q, k, k)), causal=True)
+
+
+class TestFeatureAttentionPadding:
+    @pytest.mark.parametrize("causal", [False, True])
+    def test_nonfinite_padding_is_ignored(self, backend, rng, causal):
+        from arrayattn import feature_attention
+        phi_q, phi_k = rng.random((2, 6, 4)), rng.random((2, 6, 4))
+        v = rng.standard_normal((2, 6, 3))
+        km = np.ones((2, 6), bool)
+        km[:, 4:] = False
+        v_bad = v.copy()
+        v_bad[:, 4] = np.inf
+        v_bad[:, 5] = np.nan
+        a = feature_attention(*(backend.asarray(x) for x in (phi_q, phi_k, v)),
+                              key_mask=backend.asarray(km), causal=causal)
+        b = feature_attention(*(backend.asarray(x) for x in (phi_q, phi_k, v_bad)),
+                              key_mask=backend.asarray(km), causal=causal)
+        assert np.isfinite(backend.to_numpy(b)).all()
+        np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
