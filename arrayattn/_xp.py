@@ -70,12 +70,14 @@ def xp_eps(xp, dtype) -> float:
 
 
 def xp_from_host(xp, array: np.ndarray, *, dtype, device):
-    """Move a host-drawn NumPy float64 ``array`` to ``xp`` on ``device`` with ``dtype``.
+    """Move a host NumPy ``array`` to ``xp`` on ``device`` with ``dtype``.
 
-    Random matrices are drawn on the host so that the same seed gives the same
-    matrix on every backend; this is the one place where they cross to the device.
+    Random matrices are drawn on the host (float64) so that the same seed gives the
+    same matrix on every backend, and index/mask data of static patterns is built there
+    (int64, bool); this is the one place where host data crosses to the device.  The
+    host dtype is kept for the transfer (integers and booleans are exact), then cast.
     """
-    host = np.ascontiguousarray(array, dtype=np.float64)
+    host = np.ascontiguousarray(array)
     try:
         out = xp.asarray(host, device=device)
     except (TypeError, ValueError, RuntimeError):
@@ -84,7 +86,7 @@ def xp_from_host(xp, array: np.ndarray, *, dtype, device):
         out = xp.asarray(host)
         if device is not None:
             out = array_api_compat.to_device(out, device)
-    return xp.astype(out, dtype)
+    return out if out.dtype == dtype else xp.astype(out, dtype)
 
 
 def to_numpy(x) -> np.ndarray:

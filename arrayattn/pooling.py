@@ -51,11 +51,12 @@ def _pool(xp, x, start, end, kind: str, key_mask, *, device):
     inside = offs <= end[:, None]
     idx = np.minimum(offs, x.shape[-2] - 1).reshape(-1)
     m = start.size
-    g = xp.take(x, _host_int(xp, idx, device), axis=x.ndim - 2)
+    idx = _host_int(xp, idx, device)
+    g = xp.take(x, idx, axis=x.ndim - 2)
     g = xp.reshape(g, (*x.shape[:-2], m, kappa, x.shape[-1]))      # (..., m, kappa, c)
     keep = xp.expand_dims(_host_int(xp, inside, device), axis=-1) > 0   # (m, kappa, 1)
     if key_mask is not None:
-        kmg = xp.take(key_mask, _host_int(xp, idx, device), axis=key_mask.ndim - 1)
+        kmg = xp.take(key_mask, idx, axis=key_mask.ndim - 1)
         kmg = xp.reshape(kmg, (*key_mask.shape[:-1], m, kappa, 1))
         keep = keep & kmg
     count = xp.sum(xp.astype(keep, x.dtype), axis=-2)              # (..., m, 1)

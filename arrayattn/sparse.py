@@ -245,7 +245,7 @@ class BlockLayout:
             m = m & (end <= pos)
         if xp is None:
             return m
-        return xp_from_host(xp, m.astype(np.float64), dtype=xp.float32, device=device) > 0.5
+        return xp_from_host(xp, m, dtype=xp.bool, device=device)
 
     # -- the gather plan ----------------------------------------------------------
     @cached_property
@@ -555,12 +555,7 @@ def _pad_tokens(xp, x, total: int, *, dtype, device):
 
 def _host_int(xp, a, device):
     """Host integers (block indices, positions) to ``xp`` int64 on ``device``."""
-    host = np.ascontiguousarray(a, dtype=np.int64)
-    try:
-        out = xp.asarray(host, device=device)
-    except (TypeError, ValueError, RuntimeError):  # namespaces that need a float copy
-        return xp_from_host(xp, host.astype(np.float64), dtype=xp.int64, device=device)
-    return out if out.dtype == xp.int64 else xp.astype(out, xp.int64)
+    return xp_from_host(xp, np.asarray(a, dtype=np.int64), dtype=xp.int64, device=device)
 
 
 def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
