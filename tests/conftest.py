@@ -140,6 +140,14 @@ def get_backend(name: str) -> Backend:
     return b
 
 
+def skip_jax_compile(backend, covered_by):
+    """Skip on JAX the tests whose code path another JAX test already runs: eager JAX
+    compiles every primitive for every new shape (seconds each, ~11 s for an SVD), which
+    would make these files several minutes long on a loaded machine."""
+    if backend.name == "jax":
+        pytest.skip(f"jax: same code path as {covered_by} (compile time per shape)")
+
+
 BACKEND_NAMES = list(_BACKENDS)
 
 

@@ -20,7 +20,7 @@ from arrayattn import (LinearAttentionState, efficient_attention, feature_attent
 from arrayattn.feature_maps import FEATURE_MAPS
 from arrayattn.testing import xp_assert_close, xp_assert_equal
 
-from conftest import get_backend, make_qkv
+from conftest import get_backend, make_qkv, skip_jax_compile
 from oracle import allowed_matrix
 from tolerances import round_to, working_eps
 
@@ -99,12 +99,6 @@ def _skip_heavy(backend, name="elu+1", dtype="float64"):
     default causal form on JAX), and every form by ``test_matches_oracle``."""
     if backend.name == "jax" and (name != "elu+1" or dtype != "float64"):
         pytest.skip("JAX: elu+1/float64 only here (maps: test_kernel_identity, registry)")
-
-
-def _skip_jax(backend):
-    if backend.name == "jax":
-        pytest.skip("JAX: numerical check covered on the other backends (eager JAX "
-                    "compiles per shape)")
 
 
 def _dev(backend, dtype, *arrays):
@@ -213,7 +207,7 @@ class TestLinearAttention:
     @pytest.mark.parametrize("n, s", [(11, 5), (16, 16), (5, 40), (1, 1)])
     def test_causal_shapes(self, backend, rng, n, s):
         if (n, s) != (11, 5):
-            _skip_jax(backend)
+            skip_jax_compile(backend, "the other backends")
         # n > s (leading queries see no key -> 0), n = s a multiple of the chunk, n << s,
         # a single token.
         q, k, v, km = _problem(rng, n, s, norm=3.0)
@@ -227,7 +221,7 @@ class TestLinearAttention:
                 assert (backend.to_numpy(out)[..., : n - s, :] == 0).all()
 
     def test_chunk_sizes_agree_with_recurrent(self, backend, rng):
-        _skip_jax(backend)
+        skip_jax_compile(backend, "the other backends")
         q, k, v, _ = _problem(rng, 23, 23, norm=3.0)
         args = _dev(backend, "float64", q, k, v)
         b = linear_attention(*args, causal=True, method="recurrent")
@@ -252,7 +246,7 @@ class TestLinearAttention:
 
     @pytest.mark.parametrize("name", MAPS)
     def test_constant_values_returned(self, backend, rng, name):
-        _skip_jax(backend)  # rows sum to 1 on JAX: tests/test_registry.py
+        skip_jax_compile(backend, "the other backends")  # rows sum to 1 on JAX: tests/test_registry.py
         q, k, _, km = _problem(rng, 10, 10, norm=6.0)
         km[..., 0] = True       # every causal row sees at least one key
         const = np.full((2, 1, 10, 3), -1.75)
@@ -286,7 +280,7 @@ class TestLinearAttention:
     @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
     def test_half_precision_accumulates_in_float32(self, backend, rng, dtype):
         if dtype == "float16":
-            _skip_jax(backend)
+            skip_jax_compile(backend, "the other backends")
         if dtype == "bfloat16" and backend.name not in ("torch", "jax"):
             pytest.skip(f"{backend.name} has no bfloat16")
         if not hasattr(backend.xp, dtype):
@@ -405,7 +399,7 @@ class TestDecoding:
     @pytest.mark.parametrize("method", METHODS)
     def test_prompt_then_steps(self, backend, rng, method):
         if method != "chunked":
-            _skip_jax(backend)
+            skip_jax_compile(backend, "the other backends")
         q, k, v = make_qkv(rng, batch=(2,), n=12, d=8, dv=5, norm=3.0)
         full, ratio = linear_oracle("elu+1", q, k, v, causal=True)
         out, state = linear_attention(*(backend.asarray(x[..., :7, :]) for x in (q, k, v)),
@@ -426,7 +420,7 @@ class TestDecoding:
         np.testing.assert_allclose(backend.to_numpy(state.z), fk.sum(-2), rtol=1e-13)
 
     def test_state_never_mutated(self, backend, rng):
-        _skip_jax(backend)  # JAX arrays cannot be mutated
+        skip_jax_compile(backend, "the other backends")  # JAX arrays cannot be mutated
         q, k, v = make_qkv(rng, batch=(2, 3), n=2, d=8, dv=5)
         _, s1 = linear_attention(*(backend.asarray(x) for x in (q, k, v)), causal=True,
                                  return_state=True)
@@ -437,7 +431,7 @@ class TestDecoding:
         assert s1.num_tokens == 2 and s2.num_tokens == 3
 
     def test_feature_attention_with_state_continues_a_prompt(self, backend, rng):
-        _skip_jax(backend)
+        skip_jax_compile(backend, "the other backends")
         # A second causal call with the prompt's state equals the one-shot call.
         fq, fk = rng.random((2, 12, 4)), rng.random((2, 12, 4))
         v = rng.standard_normal((2, 12, 3))

@@ -21,17 +21,9 @@ import pytest
 from arrayattn import pinv
 from arrayattn.testing import xp_assert_kind
 
-from conftest import get_backend
+from conftest import get_backend, skip_jax_compile
 
 F64 = float(np.finfo(np.float64).eps)
-
-
-def skip_jax_compile(backend, covered_by):
-    """Skip on JAX the tests whose code path another JAX test already runs: eager JAX
-    compiles every primitive for every new shape (seconds each, ~11 s for an SVD), which
-    would make these files several minutes long on a loaded machine."""
-    if backend.name == "jax":
-        pytest.skip(f"jax: same code path as {covered_by} (compile time per shape)")
 
 
 def _haar(rng, p):

@@ -19,11 +19,10 @@ from arrayattn import landmark_attention, nystrom_attention, segment_means
 from arrayattn.testing import xp_assert_close, xp_assert_kind
 
 import nystrom_oracle as O
-from conftest import get_backend, make_qkv
+from conftest import get_backend, make_qkv, skip_jax_compile
 from oracle import softmax_attention as exact_oracle
 from strategies import attention_problems
 from tolerances import attention_atol, round_to, working_eps
-from test_linalg import skip_jax_compile
 
 F64 = float(np.finfo(np.float64).eps)
 
@@ -31,16 +30,6 @@ F64 = float(np.finfo(np.float64).eps)
 def _amplification(A, Z):
     return max(np.linalg.norm(A[idx], 2) * np.linalg.norm(Z[idx], 2)
                for idx in np.ndindex(*A.shape[:-2]))
-
-
-def _aim_queries(rng, q, k, norm):
-    """Each query aimed at one random key (cosine ~0.9), rescaled to ``norm``: the peaked
-    attention of trained heads (random directions alone give logits of order 1)."""
-    target = rng.integers(0, k.shape[-2], size=q.shape[:-1])
-    aimed = np.take_along_axis(k, target[..., None], axis=-2)
-    aimed = aimed / np.linalg.norm(aimed, axis=-1, keepdims=True)
-    q = aimed + 0.5 * q / np.linalg.norm(q, axis=-1, keepdims=True)
-    return q / np.linalg.norm(q, axis=-1, keepdims=True) * norm
 
 
 def _on(backend, dtype, *arrays):
@@ -140,9 +129,8 @@ class TestNystromAttention:
         # Uneven segments (23 = 2*4 + 5*3 queries, 29 keys), cross-attention, masks,
         # sharp inputs (norm 8 at d = 32, every query aimed at one key) and Gaussians.
         d = 32 if norm else 8
-        q, k, v = make_qkv(rng, batch=(2,), n=23, s=29, d=d, dv=5, norm=norm)
-        if norm:
-            q = _aim_queries(rng, q, k, norm)
+        q, k, v = make_qkv(rng, batch=(2,), n=23, s=29, d=d, dv=5, norm=norm,
+                           sharp=bool(norm))
         km = rng.random((2, 29)) < 0.7
         qm = rng.random((2, 23)) < 0.8
         _check_against_oracle(backend, dtype, q, k, v, 7, pinv=pinv, key_mask=km,
