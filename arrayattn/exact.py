@@ -15,6 +15,7 @@ import math
 
 from ._validate import (Problem, check_key_mask, check_mask, check_positive_int,
                         check_qkv, check_scale)
+from ._parallel import exp_shifted_, owns_in_place, parallel_map
 from ._xp import xp_causal_mask
 from .registry import Variant, register
 
@@ -40,42 +41,51 @@ def combine_masks(xp, *, n: int, s: int, device, causal: bool = False, key_mask=
     return allowed
 
 
-def _shifted_exp(xp, scores, allowed, axis: int = -1):
+def _shifted_exp(xp, scores, allowed, axis: int = -1, consume: bool = False):
     """``exp(scores - rowmax)`` over the ``allowed`` entries, its row sums and row max.
 
     The row max cancels in every ratio that uses these, so logits of any size are
     safe.  A row with no allowed entry is shifted by 0 (not by ``-inf``, which would
-    give NaN) and so is all zeros.
+    give NaN) and so is all zeros.  ``consume``: ``scores`` is the caller's temporary
+    and may be overwritten (NumPy, CuPy: no second score-sized array).
     """
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)
+        consume = True
     m = xp.max(scores, axis=axis, keepdims=True)
     if allowed is not None:
         m = xp.where(m == -xp.inf, 0.0, m)
-    p = xp.exp(scores - m)
+    p = exp_shifted_(xp, scores, m) if consume else xp.exp(scores - m)
     return p, xp.sum(p, axis=axis, keepdims=True), m
 
 
-def masked_softmax(xp, scores, allowed=None, *, axis: int = -1):
+def masked_softmax(xp, scores, allowed=None, *, axis: int = -1, consume: bool = False):
     """``softmax(scores)`` along ``axis`` over the ``allowed`` entries.
 
     Disallowed entries get weight 0; a row with no allowed entry is all zeros (not NaN).
+    ``consume=True`` lets it overwrite ``scores`` (a temporary of the caller).
     """
-    p, total, _ = _shifted_exp(xp, scores, allowed, axis)
+    p, total, _ = _shifted_exp(xp, scores, allowed, axis, consume)
     return p / xp.where(total > 0, total, 1.0)
 
 
-def attend(xp, scores, v, allowed=None, *, return_lse: bool = False):
+def attend(xp, scores, v, allowed=None, *, return_lse: bool = False,
+           consume: bool = False):
     """``softmax(scores) @ v`` over ``allowed`` keys, with empty rows -> 0.
 
     ``scores (..., n, s)`` are already scaled.  With ``return_lse`` also returns the
     log-sum-exp of the allowed scores ``(..., n)`` (``-inf`` for an empty row), which
     lets partial attentions over disjoint key sets be merged exactly.  Normalising
-    after the product costs ``n dv`` divisions instead of ``n s``.
+    after the product costs ``n dv`` divisions instead of ``n s``.  ``consume=True``
+    lets it overwrite ``scores`` (a temporary of the caller).
     """
-    p, total, m = _shifted_exp(xp, scores, allowed)
+    p, total, m = _shifted_exp(xp, scores, allowed, consume=consume)
     safe = xp.where(total > 0, total, 1.0)
-    out = (p @ v) / safe
+    out = p @ v
+    if owns_in_place(xp):
+        out /= safe
+    else:
+        out = out / safe
     if not return_lse:
         return out
     lse = xp.where(total > 0, xp.log(safe) + m, -xp.inf)
@@ -87,28 +97,32 @@ def _dense(p: Problem, q, k, v, *, causal, key_mask, mask):
     scores = q @ xp.matrix_transpose(k)
     allowed = combine_masks(xp, n=p.n, s=p.s, device=p.device, causal=causal,
                             key_mask=key_mask, mask=mask)
-    return attend(xp, scores, v, allowed)
+    return attend(xp, scores, v, allowed, consume=True)
 
 
 def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
     """FlashAttention's online softmax over query blocks and key blocks.
 
-    For each query block the running row max ``m``, denominator ``l`` and unnormalised
-    output ``acc`` are carried over key blocks:
-    ``m' = max(m, rowmax(S_ij))``, ``l' = l e^{m - m'} + rowsum(e^{S_ij - m'})``,
-    ``acc' = acc e^{m - m'} + e^{S_ij - m'} V_j``; the block's output is ``acc / l``.
-    Only one ``(block, block)`` score tile per batch element is alive at a time.
+    For each query block the running row max ``m`` and the unnormalised output ``acc``
+    are carried over key blocks: ``m' = max(m, rowmax(S_ij))``,
+    ``acc' = acc e^{m - m'} + e^{S_ij - m'} [V_j, 1]``; the block's output is
+    ``acc[:, :dv] / acc[:, dv]``.  The column of ones appended to ``V`` makes the
+    denominator ``l`` the last column of the same matmul (no row-sum pass).  Query blocks
+    are independent: on NumPy they run in parallel threads (:mod:`arrayattn._parallel`),
+    one ``(block, block)`` score tile per batch element and thread.
     """
     xp = p.xp
     n, s, shift = p.n, p.s, p.s - p.n
     masked = causal or key_mask is not None or mask is not None
-    outs = []
-    for i0 in range(0, n, block_size):
+    in_place = owns_in_place(xp)
+    v1 = xp.concat([v, xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=p.device)],
+                   axis=-1)
+
+    def query_block(i0):
         i1 = min(i0 + block_size, n)
         qb = q[..., i0:i1, :]
         m = xp.full((*p.batch, i1 - i0, 1), -xp.inf, dtype=p.work_dtype, device=p.device)
-        l = xp.zeros((*p.batch, i1 - i0, 1), dtype=p.work_dtype, device=p.device)
-        acc = xp.zeros((*p.batch, i1 - i0, p.dv), dtype=p.work_dtype, device=p.device)
+        acc = xp.zeros((*p.batch, i1 - i0, p.dv + 1), dtype=p.work_dtype, device=p.device)
         # Causal: key blocks entirely after the last query of this block are skipped.
         j_end = s if not causal else max(0, min(s, i1 + shift))
         for j0 in range(0, j_end, block_size):
@@ -129,12 +143,18 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
             # A row with no allowed key yet keeps m = -inf (so a later, smaller max is
             # still taken as its max) but is shifted by 0, not -inf: exp(-inf) = 0, no NaN.
             shift_by = xp.where(m_new == -xp.inf, 0.0, m_new) if masked else m_new
-            pt = xp.exp(sc - shift_by)
+            pt = exp_shifted_(xp, sc, shift_by)
             corr = xp.exp(m - shift_by)
-            l = l * corr + xp.sum(pt, axis=-1, keepdims=True)
-            acc = acc * corr + pt @ v[..., j0:j1, :]
+            if in_place:
+                acc *= corr
+                acc += pt @ v1[..., j0:j1, :]
+            else:
+                acc = acc * corr + pt @ v1[..., j0:j1, :]
             m = m_new
-        outs.append(acc / xp.where(l > 0, l, 1.0))
+        l = acc[..., p.dv:]
+        return acc[..., :p.dv] / xp.where(l > 0, l, 1.0)
+
+    outs = parallel_map(xp, query_block, range(0, n, block_size))
     return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
 
 

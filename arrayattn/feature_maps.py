@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from ._parallel import exp_shifted_, owns_in_place
 from ._xp import xp_device, xp_namespace
 
 __all__ = ["FeatureMap", "get_feature_map", "taylor_feature_map", "FEATURE_MAPS"]
@@ -83,7 +84,11 @@ def elu_plus_one(x):
     xp = xp_namespace(x)
     # exp(min(x, 0)) + max(x, 0): one branch is exactly 0 (x > 0: 1 + x; else e^x + 0),
     # nothing overflows, and no boolean temporary is needed.
-    return xp.exp(xp.clip(x, max=0.0)) + xp.clip(x, min=0.0)
+    out = exp_shifted_(xp, xp.clip(x, max=0.0))
+    if owns_in_place(xp):   # out is ours: no third (n, d) temporary
+        out += xp.clip(x, min=0.0)
+        return out
+    return out + xp.clip(x, min=0.0)
 
 
 def relu(x):

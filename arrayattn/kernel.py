@@ -30,6 +30,8 @@ import array_api_compat
 from ._validate import (Problem, _broadcast_batch, check_choice, check_key_mask,
                         check_no_causal, check_positive_int, check_qkv,
                         check_same_array_kind)
+from ._parallel import (concat_rows, cumulative_sum_, owns_in_place, parallel_map,
+                        split_rows, zero_where_)
 from ._xp import compute_dtype, xp_device
 from .exact import masked_softmax
 from .feature_maps import FeatureMap, get_feature_map
@@ -118,31 +120,12 @@ def _cumsum(xp, pq, pk, v1, sz0):
 
 def _chunked(xp, pq, pk, v1, sz0, chunk: int, device):
     """Quadratic within chunks of ``chunk`` tokens; the state before each chunk is an
-    exclusive cumulative sum over chunks of ``phi(K_c)^T [V_c, 1]``."""
-    *batch, n, m = pq.shape
-    dv1 = v1.shape[-1]
-    c = min(chunk, n)
-    nc = -(-n // c)
-    pad = nc * c - n
-    if pad:
-        # Zero rows at the end: zero keys add nothing, the padded queries are dropped.
-        def zpad(x):
-            z = xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype, device=device)
-            return xp.concat([x, z], axis=-2)
-        pq, pk, v1 = zpad(pq), zpad(pk), zpad(v1)
-    qc = xp.reshape(pq, (*batch, nc, c, m))
-    kc = xp.reshape(pk, (*batch, nc, c, m))
-    vc = xp.reshape(v1, (*batch, nc, c, dv1))
-    kv = xp.matrix_transpose(kc) @ vc                       # (..., nc, m, dv+1)
-    # State before chunk i: Sz0 + sum of chunks < i (exclusive: chunk i's own keys,
-    # some of them in the future of its queries, never enter it).
-    before = xp.cumulative_sum(
-        xp.concat([sz0[..., None, :, :], kv[..., :-1, :, :]], axis=-3), axis=-3)
-    a = qc @ xp.matrix_transpose(kc)                         # (..., nc, c, c)
-    a = xp.where(xp.tril(xp.ones((c, c), dtype=xp.bool, device=device)), a, 0.0)
-    num = qc @ before + a @ vc                               # (..., nc, c, dv+1)
-    num = xp.reshape(num, (*batch, nc * c, dv1))[..., :n, :]
-    return num, before[..., -1, :, :] + kv[..., -1, :, :]
+    exclusive cumulative sum over chunks of ``phi(K_c)^T [V_c, 1]``
+    (:func:`_chunked_blocks` on whole features; ``n == s`` here)."""
+    return _chunked_blocks(
+        xp, lambda i0, i1: (pq[..., i0:i1, :], pk[..., i0:i1, :]), rows_of(v1), sz0,
+        pq.shape[-2], chunk=chunk, batch=tuple(pq.shape[:-2]), finish=lambda num: num,
+        row_bytes=math.prod(pq.shape[:-2]) * (pq.shape[-1] + v1.shape[-1]) * 4)
 
 
 def _causal(xp, pq, pk, v1, sz0, *, method, chunk, device):
@@ -283,33 +266,18 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     chunk_size = check_positive_int("chunk_size", chunk_size)
     method = "chunked" if method is None else check_choice("method", method,
                                                            CAUSAL_METHODS)
+    eps = _check_eps(eps, p.xp, p.work_dtype)
     xp, wd, dev, m = p.xp, p.work_dtype, p.device, p.d
     batch = p.batch if state is None else _check_state(p, state, phi_q, m)
-    pq = xp.astype(phi_q, wd, copy=False)
-    pk = xp.astype(phi_k, wd, copy=False)
-    wv = xp.astype(v, wd, copy=False)
-    if key_mask is not None:
-        # Zero the values too: padding may hold inf/NaN, and 0 * inf = NaN.
-        pk = xp.where(key_mask[..., None], pk, 0.0)
-        wv = xp.where(key_mask[..., None], wv, 0.0)
-    # Augment v with ones: the last output column is the denominator.
-    v1 = xp.concat(
-        [wv, xp.ones((*wv.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)
-    if state is None:
-        sz0 = xp.zeros((*batch, m, p.dv + 1), dtype=wd, device=dev) if causal else None
-    else:
+    sz0 = None
+    if state is not None:
         sz0 = xp.broadcast_to(xp.concat([state.S, state.z[..., None]], axis=-1),
                               (*batch, m, p.dv + 1))
-    if causal:
-        shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
-        pq, pk, v1 = (xp.broadcast_to(x, shape(x)) for x in (pq, pk, v1))
-        num, sz = _causal(xp, pq, pk, v1, sz0, method=method, chunk=chunk_size,
-                          device=dev)
-    else:
-        kv = xp.matrix_transpose(pk) @ v1
-        sz = kv if state is None else sz0 + kv
-        num = pq @ sz
-    out = _divide(xp, num, eps, wd)
+    pq, pk, wv = (xp.astype(x, wd, copy=False) for x in (phi_q, phi_k, v))
+    out, sz = _kernel_attention(
+        xp, wv, query_features=rows_of(pq), key_features=rows_of(pk), n=p.n, s=p.s,
+        batch=batch, causal=causal, key_mask=key_mask, method=method, chunk=chunk_size,
+        sz0=sz0, eps=eps)
     out = xp.astype(out, p.dtype, copy=False)
     if not return_state:
         return out
@@ -318,16 +286,205 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
                                      None if state is None else state.feature_map)
 
 
-def _divide(xp, num, eps, wd):
-    """``num[..., :-1] / num[..., -1:]``; rows with ``|den| <= eps`` -> 0."""
+def _check_features(pq, pk, rows_q: int, rows_k: int):
+    """A feature map must keep the rows and give queries and keys one width and dtype."""
+    if pq.shape[-1] != pk.shape[-1]:
+        raise ValueError(
+            f"phi_k has d={pk.shape[-1]} but phi_q has d={pq.shape[-1]}: the feature map "
+            "must give queries and keys the same number of features")
+    if pq.shape[-2] != rows_q or pk.shape[-2] != rows_k or pq.dtype != pk.dtype:
+        raise ValueError(
+            f"the feature map turned {rows_q} query rows into phi_q {tuple(pq.shape)} "
+            f"({pq.dtype}) and {rows_k} key rows into phi_k {tuple(pk.shape)} ({pk.dtype});"
+            " a map must act on the last axis only and give queries and keys one dtype")
+
+
+def _kernel_attention(xp, v, *, query_features, key_features, n: int, s: int, batch,
+                      causal, key_mask, method, chunk, sz0, eps, m: int | None = None,
+                      shifted_keys: bool = False):
+    """Kernel attention on features made block by block.
+
+    ``query_features(i0, i1)`` and ``key_features(j0, j1)`` return the features of those
+    query and key rows (a slice of given features, or a map applied to a slice of the
+    inputs: maps act on the last axis only, so rows split freely).  Each row is asked
+    for exactly once, so the callables may consume temporaries of their caller in place.
+    On NumPy the key rows, then the query rows, are cut into one block per thread
+    (:mod:`arrayattn._parallel`) and no block's features are ever concatenated.  ``v`` is
+    in the working dtype.  Returns ``(out, Sz)`` with ``Sz = [S, z]`` the final state
+    ``(..., m, dv + 1)``.
+
+    With ``shifted_keys`` (non-causal only) ``key_features`` returns ``(features, shift)``:
+    features divided by ``exp(shift)``, ``shift (..., 1, 1)`` one stabiliser per block.  The
+    block states are then merged as the online softmax merges blocks,
+    ``Sz = sum_b exp(shift_b - max_b shift_b) Sz_b``: the same as one global shift, in one
+    pass over the keys.  ``m`` (the feature count, when known) sizes the blocks.
+    """
+    wd, dev = v.dtype, xp_device(v)
+    itemsize = 8 if wd == xp.float64 else 4
+    row_bytes = math.prod(batch) * max(m or 0, v.shape[-1] + 1) * itemsize
+    if key_mask is not None:
+        # Zero the values too: padding may hold inf/NaN, and 0 * inf = NaN.
+        keep = key_mask[..., None]
+        v = xp.where(keep, v, 0.0)
+
+    def masked_key_features(j0, j1, *, shifted=False):
+        pk, shift = key_features(j0, j1) if shifted else (key_features(j0, j1), None)
+        if key_mask is not None:
+            pk = xp.where(keep[..., j0:j1, :], pk, 0.0)
+        return (pk, shift) if shifted else pk
+
+    def values1(j0, j1):
+        # Augment v with ones: the last output column is the denominator.
+        vb = v[..., j0:j1, :]
+        return xp.concat([vb, xp.ones((*vb.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)
+
+    def features(i0, i1):
+        pq, pk = query_features(i0, i1), masked_key_features(i0, i1)
+        _check_features(pq, pk, i1 - i0, i1 - i0)
+        return pq, pk
+
+    if shifted_keys and causal:
+        raise ValueError("per-block key shifts are not causal-safe")
+    if not causal:
+        shifted = shifted_keys
+
+        def key_block(rows):
+            pk = masked_key_features(*rows, shifted=shifted)
+            pk, shift = pk if shifted else (pk, None)
+            return xp.matrix_transpose(pk) @ values1(*rows), shift
+
+        parts = parallel_map(xp, key_block, split_rows(xp, s, row_bytes=row_bytes))
+        if shifted:
+            top = parts[0][1]
+            for _, shift in parts[1:]:
+                top = xp.maximum(top, shift)
+            parts = [(kv * xp.exp(shift - top), None) for kv, shift in parts]
+        kv = _sum([kv for kv, _ in parts])
+        sz = kv if sz0 is None else sz0 + kv
+
+        def query_block(rows):
+            pq = query_features(*rows)
+            if pq.shape[-1] != sz.shape[-2]:
+                raise ValueError(
+                    f"phi_k has d={sz.shape[-2]} but phi_q has d={pq.shape[-1]}: the "
+                    "feature map must give queries and keys the same number of features")
+            return _divide(xp, pq @ sz, eps)
+
+        outs = parallel_map(xp, query_block, split_rows(xp, n, row_bytes=row_bytes))
+        return concat_rows(xp, outs), sz
+    if method == "chunked" and n == s:
+        return _chunked_blocks(xp, features, values1, sz0, n, chunk=chunk, batch=batch,
+                               finish=lambda num: _divide(xp, num, eps),
+                               row_bytes=row_bytes)
+    pq, pk = query_features(0, n), masked_key_features(0, s)
+    _check_features(pq, pk, n, s)
+    if sz0 is None:
+        sz0 = xp.zeros((*batch, pq.shape[-1], v.shape[-1] + 1), dtype=wd, device=dev)
+    shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
+    pq, pk, v1 = (xp.broadcast_to(x, shape(x)) for x in (pq, pk, values1(0, s)))
+    num, sz = _causal(xp, pq, pk, v1, sz0, method=method, chunk=chunk, device=dev)
+    return _divide(xp, num, eps), sz
+
+
+def rows_of(x, f=None):
+    """``(i0, i1) -> f(x[..., i0:i1, :])`` (``f`` = identity when ``None``): the row-block
+    feature callable of :func:`_kernel_attention` for a map ``f`` applied to ``x``."""
+    if f is None:
+        return lambda i0, i1: x[..., i0:i1, :]
+    return lambda i0, i1: f(x[..., i0:i1, :])
+
+
+def _sum(parts):
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, finish,
+                    row_bytes: int):
+    """The chunked causal form (``n == s``) over blocks of whole chunks, in two passes.
+
+    Pass 1, per block (in parallel on NumPy): features, per-chunk states
+    ``phi(K_c)^T [V_c, 1]``, the masked within-chunk products and the block's total.
+    Between the passes the block totals are summed into each block's starting state.
+    Pass 2, per block: the exclusive cumulative sum of the chunk states (the state
+    before each chunk: a chunk's own keys, some in the future of its queries, never
+    enter it) and the numerators ``(..., rows, dv + 1)``, passed through ``finish``.
+    ``features(i0, i1)`` gives ``(phi_q, phi_k)`` of rows ``i0:i1``, ``values1`` the
+    values with their column of ones; ``sz0=None`` starts from a zero state.
+    """
+    c = min(chunk, n)
+    probe = values1(0, 1)
+    dev = xp_device(probe)
+    future = ~xp.tril(xp.ones((c, c), dtype=xp.bool, device=dev))
+    in_place = owns_in_place(xp)
+
+    def pass1(rows):
+        i0, i1 = rows
+        pq, pk = features(i0, i1)
+        v1 = values1(i0, i1)
+        shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
+        pq, pk, v1 = (xp.broadcast_to(x, shape(x)) for x in (pq, pk, v1))
+        nc = -(-(i1 - i0) // c)
+        pad = nc * c - (i1 - i0)
+        if pad:
+            # Zero rows at the end: zero keys add nothing, the padded queries are dropped.
+            def zpad(x):
+                z = xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype, device=dev)
+                return xp.concat([x, z], axis=-2)
+            pq, pk, v1 = zpad(pq), zpad(pk), zpad(v1)
+        qc, kc, vc = (xp.reshape(x, (*batch, nc, c, x.shape[-1])) for x in (pq, pk, v1))
+        kv = xp.matrix_transpose(kc) @ vc                      # (..., nc, m, dv+1)
+        a = qc @ xp.matrix_transpose(kc)                        # (..., nc, c, c)
+        a = zero_where_(xp, a, future)
+        return qc, kv, a @ vc, xp.sum(kv, axis=-3)
+
+    # A row of a block holds features, values and c within-chunk scores.
+    blocks = split_rows(xp, n, row_bytes=row_bytes + 4 * math.prod(batch) * c, align=c)
+    first = parallel_map(xp, pass1, blocks)
+    if sz0 is None:
+        sz0 = xp.zeros(first[0][3].shape, dtype=first[0][3].dtype, device=dev)
+    starts = [sz0]
+    for _, _, _, total in first:
+        starts.append(starts[-1] + total)
+
+    def pass2(b):
+        qc, kv, within, _ = first[b]
+        before = xp.concat([starts[b][..., None, :, :], kv[..., :-1, :, :]], axis=-3)
+        before = cumulative_sum_(xp, before, axis=-3)
+        if in_place:
+            num = qc @ before
+            num += within
+        else:
+            num = qc @ before + within
+        i0, i1 = blocks[b]
+        num = xp.reshape(num, (*num.shape[:-3], -1, num.shape[-1]))[..., :i1 - i0, :]
+        return finish(num)
+
+    outs = parallel_map(xp, pass2, range(len(blocks)))
+    return concat_rows(xp, outs), starts[-1]
+
+
+def _check_eps(eps, xp, wd) -> float:
+    """``eps`` as a float; ``None`` is the smallest positive normal number of ``wd``."""
     if eps is None:
-        eps = float(xp.finfo(wd).smallest_normal)
-    elif isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
+        return float(xp.finfo(wd).smallest_normal)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
             math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0 or None; got {eps!r}")
+    return float(eps)
+
+
+def _divide(xp, num, eps: float):
+    """``num[..., :-1] / num[..., -1:]``; rows with ``|den| <= eps`` -> 0."""
     den = num[..., -1:]
     # A guarded row divides by +inf: finite / inf = 0 exactly, one where on (..., n, 1).
-    return num[..., :-1] / xp.where(xp.abs(den) > eps, den, xp.inf)
+    safe = xp.where(xp.abs(den) > eps, den, xp.inf)
+    if owns_in_place(xp):  # num is the caller's temporary: no second (n, dv) array
+        num /= safe
+        return num[..., :-1]
+    return num[..., :-1] / safe
 
 
 def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
@@ -433,18 +590,23 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
     True
     """
     p = check_qkv(q, k, v)
+    check_key_mask(p, key_mask, q)
     fm = get_feature_map(feature_map)
-    xp = p.xp
-    wq = xp.astype(q, p.work_dtype, copy=False)
-    wk = xp.astype(k, p.work_dtype, copy=False)
-    wv = xp.astype(v, p.work_dtype, copy=False)
-    res = feature_attention(fm.query(wq), fm.key(wk), wv, causal=causal,
-                            key_mask=key_mask, eps=eps, method=method,
-                            chunk_size=chunk_size, return_state=return_state)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    method = "chunked" if method is None else check_choice("method", method,
+                                                           CAUSAL_METHODS)
+    xp, wd = p.xp, p.work_dtype
+    eps = _check_eps(eps, xp, wd)
+    # The maps are applied block by block inside (they act on the last axis only).
+    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+    out, sz = _kernel_attention(
+        xp, wv, query_features=rows_of(wq, fm.query), key_features=rows_of(wk, fm.key),
+        n=p.n, s=p.s, batch=p.batch, causal=causal, key_mask=key_mask, method=method,
+        chunk=chunk_size, sz0=None, eps=eps)
+    out = xp.astype(out, p.dtype, copy=False)
     if not return_state:
-        return xp.astype(res, p.dtype, copy=False)
-    out, state = res
-    return xp.astype(out, p.dtype, copy=False), replace(state, feature_map=fm)
+        return out
+    return out, LinearAttentionState(sz[..., :-1], sz[..., -1], p.s, fm)
 
 
 def linear_attention_state(xp, batch_shape, d, dv, /, *, feature_map="elu+1", dtype=None,

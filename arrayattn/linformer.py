@@ -162,7 +162,7 @@ def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, sca
         wv = xp.where(keep, wv, xp.zeros((), dtype=wd, device=p.device))
     ek = e @ wk                                  # (..., m, d)
     fv = f @ wv                                  # (..., m, dv)
-    out = attend(xp, wq @ xp.matrix_transpose(ek), fv)
+    out = attend(xp, wq @ xp.matrix_transpose(ek), fv, consume=True)
     return xp.astype(out, p.dtype, copy=False)
 
 

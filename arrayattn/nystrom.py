@@ -16,11 +16,13 @@ official code divides q and k by :math:`d^{1/4}` each, which is the same thing).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale)
+from ._parallel import concat_rows, parallel_map, split_rows
 from ._xp import compute_dtype, xp_device, xp_namespace
-from .exact import attend, masked_softmax
+from .exact import _shifted_exp, attend, masked_softmax
 from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
 from .registry import Variant, register
 
@@ -191,8 +193,64 @@ def _landmarks(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, varian
     if qvalid is not None:
         rows = qvalid[..., None]
         allowed = rows if allowed is None else (rows & allowed)
-    bv = attend(xp, qt @ xp.matrix_transpose(wk), wv, allowed)
+    bv = _landmark_values(p, qt, wk, wv, allowed)
     return wq, wv, qt, kt, kt * scale, qvalid, kvalid, bv
+
+
+def _landmark_values(p, qt, wk, wv, allowed):
+    """``softmax(q̃ k^T) v`` ``(..., m, dv)`` over the ``allowed`` keys, by blocks of keys.
+
+    The ``m x s`` scores are made transposed, ``k q̃^T`` (a tall, thin matmul, which BLAS
+    runs far faster than the short, wide ``q̃ k^T``), block by block over the keys (in
+    parallel threads and cache-sized blocks on NumPy).  Each block is softmaxed with its
+    own column max ``c_b`` and the blocks are merged as the online softmax does:
+    ``sum_b e^{c_b - c} E_b^T V_b / sum_b e^{c_b - c} l_b`` with ``c = max_b c_b``, the
+    result of one softmax over all keys, to rounding.  A landmark with no allowed key
+    gets a zero row.
+    """
+    xp = p.xp
+    allowed_t = None if allowed is None else xp.matrix_transpose(allowed)
+    multi = allowed_t is not None and allowed_t.shape[-2] != 1
+
+    def key_block(rows):
+        j0, j1 = rows
+        st = wk[..., j0:j1, :] @ xp.matrix_transpose(qt)          # (..., b, m)
+        e, total, c = _shifted_exp(xp, st, allowed_t[..., j0:j1, :] if multi else allowed_t,
+                                   axis=-2, consume=True)
+        # The true block max: -inf where the block has no allowed key for a landmark.
+        c = xp.where(total > 0, c, -xp.inf)
+        return xp.matrix_transpose(e) @ wv[..., j0:j1, :], total, c
+
+    blocks = split_rows(xp, p.s, row_bytes=4 * math.prod(p.batch) * qt.shape[-2])
+    parts = parallel_map(xp, key_block, blocks)
+    if len(parts) == 1:
+        num, total, _ = parts[0]
+    else:
+        top = parts[0][2]
+        for _, _, c in parts[1:]:
+            top = xp.maximum(top, c)
+        top = xp.where(top == -xp.inf, 0.0, top)
+        num, total = 0.0, 0.0
+        for nb, lb, c in parts:
+            f = xp.exp(c - top)                       # (..., 1, m); 0 for an empty block
+            num = num + xp.matrix_transpose(f) * nb
+            total = total + f * lb
+    total = xp.matrix_transpose(total)               # (..., m, 1)
+    return num / xp.where(total > 0, total, 1.0)
+
+
+def _attend_landmarks(p, wq, kts, lv, kcols):
+    """``softmax(q k̃^T scale) lv`` over the valid landmarks, by blocks of query rows (in
+    parallel threads and cache-sized blocks on NumPy): the ``(n, m)`` scores of a block
+    are made, exponentiated and used in place, never held whole."""
+    xp = p.xp
+
+    def query_block(rows):
+        return attend(xp, wq[..., rows[0]:rows[1], :] @ xp.matrix_transpose(kts), lv,
+                      kcols, consume=True)
+
+    blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
+    return concat_rows(xp, parallel_map(xp, query_block, blocks))
 
 
 def _conv_skip(p, v, key_mask, conv_kernel):
@@ -328,12 +386,12 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
     if qvalid is not None:
         allowed = qvalid[..., None] if allowed is None else (qvalid[..., None] & allowed)
     # A: empty landmarks are zero rows/columns, whose pseudo-inverse is zero there too.
-    a = masked_softmax(xp, qt @ xp.matrix_transpose(kt), allowed)
+    a = masked_softmax(xp, qt @ xp.matrix_transpose(kt), allowed, consume=True)
     if pinv == "svd":
         z = _svd_pinv(xp, a, pinv_rtol)
     else:
         z = _iterative_pinv(xp, a, iters, pinv_init)
-    out = attend(xp, wq @ xp.matrix_transpose(kts), z @ bv, kcols)
+    out = _attend_landmarks(p, wq, kts, z @ bv, kcols)
     if conv_kernel is not None:
         out = out + _conv_skip(p, v, key_mask, conv_kernel)
     return xp.astype(out, p.dtype, copy=False)
@@ -387,8 +445,7 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
         p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
         query_mask=query_mask, variant="landmark_attention")
     valid = kvalid if qvalid is None else (qvalid if kvalid is None else qvalid & kvalid)
-    out = attend(xp, wq @ xp.matrix_transpose(kts), bv,
-                 None if valid is None else valid[..., None, :])
+    out = _attend_landmarks(p, wq, kts, bv, None if valid is None else valid[..., None, :])
     return xp.astype(out, p.dtype, copy=False)
 
 

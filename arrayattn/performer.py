@@ -18,7 +18,8 @@ Every factor that is removed from the features cancels in the ratio; nothing is 
 
 * Non-causal: each query row is divided by its own largest feature (a per-row factor,
   cancels); every key feature by ``exp(L)``, ``L`` the largest key exponent over the
-  *unmasked* keys and all features of the sequence (one global factor, cancels).  For
+  *unmasked* keys and all features of the sequence (one global factor, cancels; taken as
+  per-block maxima whose states are merged, as the online softmax merges blocks).  For
   trig features the key factor ``exp(‖k̃‖²/2)`` is divided by its maximum the same way.
 * Causal: a shift may not depend on other keys.  For the exponential maps
   ``ω_f·k̃ - ‖k̃‖²/2 <= ‖ω_f‖²/2`` for every ``k̃``, so the key features
@@ -38,7 +39,8 @@ from ._validate import (check_choice, check_key_mask, check_positive_int, check_
 from .random_features import (EXP_KINDS, NORMS, PROJECTIONS, FeatureRows, RandomFeatures,
                               _apply_g, as_features, check_kind, feature_rows,
                               resolve_gerf_a)
-from .kernel import feature_attention
+from ._parallel import exp_shifted_
+from .kernel import _kernel_attention, rows_of
 from .registry import Variant, register
 
 __all__ = ["performer_attention", "performer_features"]
@@ -47,25 +49,6 @@ __all__ = ["performer_attention", "performer_features"]
 #: Stands in for +inf in sums that go through a matmul: ``exp(-_BIG) == 0`` exactly in every
 #: float dtype, and BLAS never sees an inf (``0 * inf`` would give NaN).
 _BIG = 1e30
-
-
-def _in_place_ok(xp) -> bool:
-    """Whether in-place updates of *our own* temporaries are safe and worth it.
-
-    NumPy and CuPy have no autograd and pay a page-faulting allocation per temporary of
-    ``(n, m)``; torch (autograd saves tensors), JAX (immutable) and others get the
-    functional form.
-    """
-    return array_api_compat.is_numpy_namespace(xp) or array_api_compat.is_cupy_namespace(xp)
-
-
-def _exp_shifted(xp, a, shift=None):
-    """``exp(a - shift)`` for a temporary ``a`` that this module owns (it may be consumed)."""
-    if _in_place_ok(xp):
-        if shift is not None:
-            a -= shift
-        return xp.exp(a, out=a)
-    return xp.exp(a if shift is None else a - shift)
 
 
 def _augment(xp, x, *cols):
@@ -95,10 +78,26 @@ def performer_features(xp, q, k, rows: FeatureRows, *, scale: float, causal: boo
     ``φq_i·φk_j = c_i C K̂_ij`` with ``K̂`` the random-feature estimate of the kernel, a
     per-query factor ``c_i`` and a global ``C`` (both cancel in the attention ratio; module
     docstring).  Masked keys get all-zero features.  ``q, k`` are in the working dtype;
-    ``rows`` from :func:`arrayattn.random_features.feature_rows`.  Every additive term of
-    an exponent is folded into the projection matmul as an extra column
-    (``[k, ‖k̃‖²/2, 1] @ [W, -1, a - c]^T``), so the features cost one matmul and at most
-    three elementwise passes per side.
+    ``rows`` from :func:`arrayattn.random_features.feature_rows`.
+    """
+    query_features, key_features = performer_maps(xp, q, k, rows, scale=scale,
+                                                   causal=causal, key_mask=key_mask)
+    phi_k = key_features(0, k.shape[-2])
+    return query_features(0, q.shape[-2]), phi_k[0] if isinstance(phi_k, tuple) else phi_k
+
+
+def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
+                   key_mask=None):
+    """Row-block feature callables ``(i0, i1) -> φq[..., i0:i1, :]`` and
+    ``(j0, j1) -> φk[..., j0:j1, :]`` of :func:`performer_features`.
+
+    So the features are made block by block (in parallel threads on NumPy) and never held
+    whole.  Additive terms of an exponent are folded into the projection matmul as extra
+    columns (``[k, ‖k̃‖²/2, 1] @ [W, -1, a - c]^T``) or subtracted with the shift in the
+    one pass before ``exp``.  Non-causal, the key callable returns ``(φk, shift)``: the
+    block's features and its own shift (see ``shifted_keys`` of
+    :func:`arrayattn.kernel._kernel_attention`), so ``performer_features`` takes one
+    block for the keys (the global shift).
     """
     kind, w = rows.kind, rows.w
     wt = xp.matrix_transpose
@@ -125,34 +124,43 @@ def performer_features(xp, q, k, rows: FeatureRows, *, scale: float, causal: boo
             if not causal:
                 top = xp.max(hk, axis=-2, keepdims=True)
                 hk = hk - xp.where(top == -xp.inf, 0.0, top)
-            return phi_q, sk * xp.exp(hk)
+            return rows_of(phi_q), rows_of(sk * xp.exp(hk))
         # generalized kernels f(ω·x̃): nothing to stabilise (the constant m^-1/2 cancels)
         phi_q, phi_k = _apply_g(xp, rows, q @ wt(w)), _apply_g(xp, rows, k @ wt(w))
         if key_mask is not None:
             phi_k = xp.where(keep, phi_k, 0.0)
-        return phi_q, phi_k
+        return rows_of(phi_q), rows_of(phi_k)
     a = rows.a
     if causal:
         # Keys: a_f + B ω_f·k̃ - ‖k̃‖²/2 - c_f = -‖k̃ - B ω_f‖²/2 <= 0 depends on that key
         # alone; queries carry +c_f and are divided by their own row max.
         cq = rows.c if a is None else a + rows.c
         ck = -rows.c if a is None else a - rows.c
-        aq = _augment(xp, q, 1.0) @ wt(_augment(xp, w, _col(xp, cq)))
-        ak = _augment(xp, k, hk, 1.0) @ wt(_augment(xp, w, -1.0, _col(xp, ck)))
-        phi_k = _exp_shifted(xp, ak)
+        wq = wt(_augment(xp, w, _col(xp, cq)))
+        wk = wt(_augment(xp, w, -1.0, _col(xp, ck)))
+
+        def key_features(j0, j1):
+            kb = _augment(xp, k[..., j0:j1, :], hk[..., j0:j1, :], 1.0)
+            return exp_shifted_(xp, kb @ wk)
     else:
-        if a is None:
-            aq = q @ wt(w)
-            ak = _augment(xp, k, hk) @ wt(_augment(xp, w, -1.0))
-        else:
-            aq = _augment(xp, q, 1.0) @ wt(_augment(xp, w, _col(xp, a)))
-            ak = _augment(xp, k, hk, 1.0) @ wt(_augment(xp, w, -1.0, _col(xp, a)))
-        # One shift for all keys of a sequence; floored so that an all-masked sequence
-        # (every exponent ~ -_BIG) keeps all-zero features.
-        top = xp.maximum(xp.max(ak, axis=(-2, -1), keepdims=True), -_BIG / 2)
-        phi_k = _exp_shifted(xp, ak, top)
-    phi_q = _exp_shifted(xp, aq, xp.max(aq, axis=-1, keepdims=True))
-    return phi_q, phi_k
+        # One shift per block of keys, max_j (rowmax(a_j) - ‖k̃_j‖²/2) over its keys,
+        # floored so that an all-masked block (every exponent ~ -_BIG) keeps zero
+        # features; _kernel_attention merges the blocks' states to one global shift.
+        wq = wt(w) if a is None else wt(_augment(xp, w, _col(xp, a)))
+
+        def key_features(j0, j1):
+            kb, hb = k[..., j0:j1, :], hk[..., j0:j1, :]
+            ak = (kb if a is None else _augment(xp, kb, 1.0)) @ wq   # ω·k̃ (+ a)
+            top = xp.max(xp.max(ak, axis=-1, keepdims=True) - hb, axis=-2, keepdims=True)
+            top = xp.maximum(top, -_BIG / 2)
+            return exp_shifted_(xp, ak, hb + top), top
+    augment_q = causal or a is not None
+
+    def query_features(i0, i1):
+        qb = q[..., i0:i1, :]
+        aq = (_augment(xp, qb, 1.0) if augment_q else qb) @ wq
+        return exp_shifted_(xp, aq, xp.max(aq, axis=-1, keepdims=True))
+    return query_features, key_features
 
 
 def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="positive",
@@ -262,10 +270,14 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
     wv = xp.astype(v, p.work_dtype, copy=False)
     if key_mask is not None:  # padded values may hold inf/NaN: 0 * inf would leak
         wv = xp.where(xp.expand_dims(key_mask, axis=-1), wv, 0.0)
-    phi_q, phi_k = performer_features(xp, wq, wk, rows, scale=scale, causal=causal,
-                                      key_mask=key_mask)
+    query_features, key_features = performer_maps(xp, wq, wk, rows, scale=scale,
+                                                   causal=causal, key_mask=key_mask)
     # eps=0: only a zero denominator (no visible key) gives zeros; nothing is added.
-    out = feature_attention(phi_q, phi_k, wv, causal=causal, eps=0.0)
+    out, _ = _kernel_attention(xp, wv, query_features=query_features,
+                               key_features=key_features, n=p.n, s=p.s, batch=p.batch,
+                               causal=causal, key_mask=None, method="chunked", chunk=64,
+                               sz0=None, eps=0.0, m=rows.w.shape[-2],
+                               shifted_keys=not causal and kind in EXP_KINDS)
     return xp.astype(out, p.dtype, copy=False)
 
 

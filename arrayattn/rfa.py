@@ -41,7 +41,7 @@ import math
 
 from ._validate import (_broadcast_batch, check_choice, check_key_mask, check_positive_int,
                         check_qkv, check_same_array_kind)
-from .kernel import CAUSAL_METHODS, _divide, feature_attention
+from .kernel import CAUSAL_METHODS, _check_eps, _divide, feature_attention
 from .performer import _augment, _col
 from .random_features import NORMS, PROJECTIONS, RandomFeatures, as_features, feature_rows
 from .registry import Variant, register
@@ -376,7 +376,7 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
         # log g, with g = 0 taken as the smallest normal number (a restart to rounding).
         lg = xp.log(xp.maximum(g, float(xp.finfo(wd).smallest_normal)))
         num = _gated_chunked(xp, phi_q, phi_k, v1, lg, w, chunk_size, dev)
-    out = _divide(xp, num, eps, wd)
+    out = _divide(xp, num, _check_eps(eps, xp, wd))
     return xp.astype(out, p.dtype, copy=False)
 
 

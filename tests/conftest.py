@@ -152,9 +152,26 @@ BACKEND_NAMES = list(_BACKENDS)
 
 
 @pytest.fixture(params=BACKEND_NAMES)
-def backend(request) -> Backend:
-    """Every backend in turn (skipped with the reason when not installed)."""
+def backend(request, monkeypatch) -> Backend:
+    """Every backend in turn (skipped with the reason when not installed).
+
+    ``numpy_readonly`` also forces the threaded, split-into-blocks path of
+    :mod:`arrayattn._parallel` on inputs of any size (2 threads, no size threshold, one
+    row or chunk per block), so every test runs NumPy both whole and split, and the split
+    path on read-only inputs.
+    """
+    if request.param == "numpy_readonly":
+        force_threaded(monkeypatch)
     return get_backend(request.param)
+
+
+def force_threaded(monkeypatch, threads: int = 2):
+    """Make :mod:`arrayattn._parallel` split every NumPy problem over ``threads``."""
+    from arrayattn import _parallel
+
+    monkeypatch.setenv("ARRAYATTN_NUM_THREADS", str(threads))
+    monkeypatch.setattr(_parallel, "MIN_WORK", 0)
+    monkeypatch.setattr(_parallel, "BLOCK_BYTES", 1)
 
 
 @pytest.fixture

@@ -1,0 +1,160 @@
+"""The NumPy thread map and the in-place helpers of ``arrayattn._parallel``.
+
+Every variant's own tests already run the split path: the ``numpy_readonly`` backend
+forces it (conftest.force_threaded).  Here: the pieces themselves, and that splitting
+never changes a result beyond the rounding of a reordered sum (exact attention: not at
+all).
+"""
+from __future__ import annotations
+
+import threading
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+from conftest import force_threaded, make_qkv
+
+import arrayattn
+from arrayattn import _parallel
+
+
+class TestSplitRows:
+    @pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
+    @pytest.mark.parametrize("align", [1, 3, 64])
+    def test_covers_rows_aligned(self, monkeypatch, n, align):
+        force_threaded(monkeypatch)
+        blocks = _parallel.split_rows(xp, n, row_bytes=8, align=align)
+        assert blocks[0][0] == 0 and blocks[-1][1] == n
+        for (a0, a1), (b0, _) in zip(blocks, blocks[1:]):
+            assert a1 == b0 and a1 > a0 and a1 % align == 0
+        # BLOCK_BYTES = 1: one row (or chunk) per block
+        assert len(blocks) == -(-n // align)
+
+    def test_cache_sized_blocks(self, monkeypatch):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "2")
+        blocks = _parallel.split_rows(xp, 16384, row_bytes=2048)
+        sizes = {b - a for a, b in blocks}
+        assert max(sizes) * 2048 <= _parallel.BLOCK_BYTES
+        assert len(blocks) == 16384 * 2048 // _parallel.BLOCK_BYTES
+
+    def test_small_work_and_other_libraries_one_block(self, monkeypatch):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "2")
+        assert _parallel.split_rows(xp, 100, row_bytes=64) == [(0, 100)]
+        strict = pytest.importorskip("array_api_strict")
+        assert _parallel.split_rows(strict, 1 << 20, row_bytes=1 << 20) == [(0, 1 << 20)]
+
+    def test_one_thread_serial_but_cache_sized(self, monkeypatch):
+        # One thread: still cache-sized blocks, run in the calling thread.
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "1")
+        blocks = _parallel.split_rows(xp, 1 << 16, row_bytes=1 << 12)
+        assert len(blocks) == (1 << 28) // _parallel.BLOCK_BYTES
+        assert _parallel.parallel_map(xp, lambda i: threading.current_thread().name,
+                                      range(3)) == [threading.current_thread().name] * 3
+
+    def test_bad_thread_count(self, monkeypatch):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "two")
+        with pytest.raises(ValueError, match="ARRAYATTN_NUM_THREADS"):
+            _parallel.num_threads()
+
+
+class TestParallelMap:
+    def test_order_and_threads(self, monkeypatch):
+        force_threaded(monkeypatch)
+        names = _parallel.parallel_map(
+            xp, lambda i: (i, threading.current_thread().name), range(6), blas=False)
+        assert [i for i, _ in names] == list(range(6))
+        assert all(name.startswith("arrayattn") for _, name in names)
+
+    def test_nested_runs_serially(self, monkeypatch):
+        force_threaded(monkeypatch)
+
+        def outer(i):
+            inner = _parallel.parallel_map(
+                xp, lambda j: threading.current_thread().name, range(2), blas=False)
+            return len(set(inner)) == 1 and inner[0] == threading.current_thread().name
+        assert all(_parallel.parallel_map(xp, outer, range(4), blas=False))
+
+    def test_blas_threads_restored_even_on_error(self, monkeypatch):
+        force_threaded(monkeypatch)
+        control = _parallel._blas_control()
+        if not control:
+            pytest.skip("NumPy's BLAS is not an OpenBLAS this module can steer")
+        before = control[1]()
+        seen = _parallel.parallel_map(xp, lambda i: control[1](), range(2))
+        assert seen == [1, 1]
+        assert control[1]() == before
+
+        def boom(i):
+            raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"):
+            _parallel.parallel_map(xp, boom, range(2))
+        assert control[1]() == before
+
+
+class TestInPlaceHelpers:
+    def test_cumulative_sum(self):
+        x = np.arange(60.0).reshape(3, 4, 5)
+        for axis in (0, 1, -1):
+            np.testing.assert_array_equal(
+                _parallel.cumulative_sum_(xp, x.copy(), axis=axis), np.cumsum(x, axis=axis))
+
+    def test_zero_where_keeps_no_nan(self):
+        a = np.array([[1.0, np.inf], [np.nan, 2.0]])
+        mask = np.array([[False, True], [True, False]])
+        np.testing.assert_array_equal(_parallel.zero_where_(xp, a, mask),
+                                      [[1.0, 0.0], [0.0, 2.0]])
+
+    def test_exp_shifted(self):
+        a = np.array([[1.0, 2.0]])
+        np.testing.assert_allclose(_parallel.exp_shifted_(xp, a.copy(), 2.0),
+                                   np.exp([[-1.0, 0.0]]))
+
+
+#: (variant, options, exact splitting): the functions whose NumPy path is split.
+SPLIT = [
+    ("softmax_blockwise", {"block_size": 16}, True),
+    ("softmax_blockwise", {"block_size": 16, "causal": True}, True),
+    ("linear_elu", {}, False),
+    ("linear_elu", {"causal": True}, False),
+    ("linear_taylor", {"causal": True}, False),
+    ("performer_positive", {}, False),
+    ("performer_positive", {"causal": True}, False),
+    ("performer_favorpp", {}, False),
+    ("nystrom_iterative", {"num_landmarks": 8}, False),
+    ("nystrom_svd", {"num_landmarks": 8}, False),
+    ("landmark", {"num_landmarks": 8}, False),
+]
+
+
+@pytest.mark.parametrize("name, options, exact", SPLIT)
+def test_split_equals_whole(monkeypatch, rng, name, options, exact):
+    """Many blocks in two threads against one block, on sharp inputs with a key mask.
+
+    Blockwise exact attention splits whole query blocks: bit for bit.  The others add
+    the same ``s`` per-key terms in another order, which moves a sum of ``s`` terms by at
+    most ``s eps`` of its magnitude (the standard summation bound); numerator and
+    denominator both move, hence ``atol = 4 s eps max|v|``.
+    """
+    var = arrayattn.get_variant(name)
+    q, k, v = make_qkv(rng, batch=(2, 3), n=96, d=16, norm=8.0, sharp=True)
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    opts = dict(options)
+    if var.key_mask and not opts.get("causal"):
+        km = rng.random((2, 3, 96)) < 0.8
+        km[..., 0] = True
+        opts["key_mask"] = km
+    monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "1")
+    whole = var(q, k, v, **opts)
+    force_threaded(monkeypatch)
+    threaded = []
+    as_worker = _parallel._as_worker
+    monkeypatch.setattr(_parallel, "_as_worker", lambda fn: threaded.append(1) or as_worker(fn))
+    split = var(q, k, v, **opts)
+    assert threaded, "the split, threaded path was not taken"
+    if exact:
+        np.testing.assert_array_equal(split, whole)
+    else:
+        eps = np.finfo(np.float32).eps
+        atol = 4 * k.shape[-2] * eps * np.abs(v).max()
+        np.testing.assert_allclose(split, whole, rtol=0, atol=atol)
+        assert not np.array_equal(split, np.zeros_like(split))
