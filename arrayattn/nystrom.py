@@ -20,7 +20,7 @@ import math
 
 from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale)
-from ._parallel import concat_rows, parallel_map, split_rows
+from ._parallel import blas_single, concat_rows, parallel_map, split_rows
 from ._xp import compute_dtype, xp_device, xp_namespace
 from .exact import _shifted_exp, attend, masked_softmax
 from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
@@ -385,13 +385,15 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
     allowed = kcols
     if qvalid is not None:
         allowed = qvalid[..., None] if allowed is None else (qvalid[..., None] & allowed)
-    # A: empty landmarks are zero rows/columns, whose pseudo-inverse is zero there too.
-    a = masked_softmax(xp, qt @ xp.matrix_transpose(kt), allowed, consume=True)
-    if pinv == "svd":
-        z = _svd_pinv(xp, a, pinv_rtol)
-    else:
-        z = _iterative_pinv(xp, a, iters, pinv_init)
-    out = _attend_landmarks(p, wq, kts, z @ bv, kcols)
+    with blas_single(xp):  # (m, m) work: one BLAS thread (see blas_single)
+        # A: empty landmarks are zero rows/columns, whose pseudo-inverse is zero there too.
+        a = masked_softmax(xp, qt @ xp.matrix_transpose(kt), allowed, consume=True)
+        if pinv == "svd":
+            z = _svd_pinv(xp, a, pinv_rtol)
+        else:
+            z = _iterative_pinv(xp, a, iters, pinv_init)
+        zbv = z @ bv
+    out = _attend_landmarks(p, wq, kts, zbv, kcols)
     if conv_kernel is not None:
         out = out + _conv_skip(p, v, key_mask, conv_kernel)
     return xp.astype(out, p.dtype, copy=False)

@@ -89,6 +89,11 @@ class TestParallelMap:
         with pytest.raises(RuntimeError, match="boom"):
             _parallel.parallel_map(xp, boom, range(2))
         assert control[1]() == before
+        with _parallel.blas_single(xp):
+            assert control[1]() == 1
+            assert _parallel.parallel_map(xp, lambda i: control[1](), range(2)) == [1, 1]
+            assert control[1]() == 1
+        assert control[1]() == before
 
 
 class TestInPlaceHelpers:
