@@ -237,8 +237,27 @@ def split_rows(xp, n: int, *, row_bytes: int, align: int = 1) -> list[tuple[int,
 
 
 def concat_rows(xp, blocks):
-    """The row blocks of :func:`split_rows` put back together (no copy for one block)."""
-    return blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=-2)
+    """The row blocks of :func:`split_rows` put back together (no copy for one block).
+
+    On NumPy the blocks are copied into the result by the threads (the copy, and the
+    page faults of a fresh result, would otherwise be a serial pass over the output).
+    """
+    if len(blocks) == 1:
+        return blocks[0]
+    if not array_api_compat.is_numpy_namespace(xp) or num_threads() < 2:
+        return xp.concat(blocks, axis=-2)
+    import numpy as np
+
+    shape = np.broadcast_shapes(*(b.shape[:-2] for b in blocks))
+    rows = [b.shape[-2] for b in blocks]
+    out = np.empty((*shape, sum(rows), blocks[0].shape[-1]),
+                   dtype=np.result_type(*blocks))
+    starts = np.cumsum([0] + rows).tolist()
+
+    def copy(i):
+        out[..., starts[i]:starts[i + 1], :] = blocks[i]
+    parallel_map(xp, copy, range(len(blocks)), blas=False)
+    return out
 
 
 def cumulative_sum_(xp, x, *, axis: int):

@@ -20,9 +20,9 @@ import math
 
 from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale)
-from ._parallel import blas_single, concat_rows, parallel_map, split_rows
+from ._parallel import blas_single, concat_rows, owns_in_place, parallel_map, split_rows
 from ._xp import compute_dtype, xp_device, xp_namespace
-from .exact import _shifted_exp, attend, masked_softmax
+from .exact import _shifted_exp, masked_softmax
 from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
 from .registry import Variant, register
 
@@ -46,11 +46,18 @@ def _segment_sums(xp, x, m: int):
     base, extra = divmod(n, m)
     lead = tuple(x.shape[:-2])
     cut = extra * (base + 1)
+    def sums(y, segments, length):
+        # Whole segments per block (in parallel threads on NumPy).
+        y = xp.reshape(y, (*lead, segments, length, c))
+        blocks = split_rows(xp, segments, row_bytes=4 * math.prod(lead) * length * c)
+        return concat_rows(xp, parallel_map(
+            xp, lambda r: xp.sum(y[..., r[0]:r[1], :, :], axis=-2), blocks, blas=False))
+
     parts = []
     if extra:
-        parts.append(xp.sum(xp.reshape(x[..., :cut, :], (*lead, extra, base + 1, c)), axis=-2))
+        parts.append(sums(x[..., :cut, :], extra, base + 1))
     if extra < m:
-        parts.append(xp.sum(xp.reshape(x[..., cut:, :], (*lead, m - extra, base, c)), axis=-2))
+        parts.append(sums(x[..., cut:, :], m - extra, base))
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
 
 
@@ -240,14 +247,28 @@ def _landmark_values(p, qt, wk, wv, allowed):
 
 
 def _attend_landmarks(p, wq, kts, lv, kcols):
-    """``softmax(q k̃^T scale) lv`` over the valid landmarks, by blocks of query rows (in
-    parallel threads and cache-sized blocks on NumPy): the ``(n, m)`` scores of a block
-    are made, exponentiated and used in place, never held whole."""
+    """``softmax(q k̃^T scale) lv`` over the valid landmarks ``kcols (..., 1, m)``, by
+    blocks of query rows (in parallel threads and cache-sized blocks on NumPy): a block's
+    scores are made, exponentiated and used in place, never held whole.
+
+    The scores are made transposed, ``(m, rows)``: the max and sum over the ``m``
+    landmarks are then reductions across rows, which NumPy vectorises (over a short last
+    axis it runs a loop per row, ~3x slower), and ``P^T`` enters the last matmul as a
+    transposed operand at no cost.
+    """
     xp = p.xp
+    allowed = None if kcols is None else xp.matrix_transpose(kcols)    # (..., m, 1)
 
     def query_block(rows):
-        return attend(xp, wq[..., rows[0]:rows[1], :] @ xp.matrix_transpose(kts), lv,
-                      kcols, consume=True)
+        st = kts @ xp.matrix_transpose(wq[..., rows[0]:rows[1], :])    # (..., m, rows)
+        e, total, _ = _shifted_exp(xp, st, allowed, axis=-2, consume=True)
+        total = xp.matrix_transpose(total)                              # (..., rows, 1)
+        out = xp.matrix_transpose(e) @ lv
+        safe = xp.where(total > 0, total, 1.0)
+        if owns_in_place(xp):
+            out /= safe
+            return out
+        return out / safe
 
     blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
     return concat_rows(xp, parallel_map(xp, query_block, blocks))
