@@ -47,7 +47,7 @@ BLOCK_BYTES = 1 << 22
 
 _state = threading.local()   # .inside: this thread is a worker of parallel_map
 _lock = threading.RLock()    # one section sets the BLAS thread count at a time
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple | None = None    # (executor, workers, pid)
 _blas: tuple | None = None   # (set, get) of the BLAS thread count, or () when not found
 
 
@@ -113,10 +113,15 @@ def _blas_control():
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
+    """The pool (made again for a new size, and in a forked child, which inherits the
+    pool object but not its threads)."""
     global _pool
-    if _pool is None or _pool._max_workers != workers:
-        _pool = ThreadPoolExecutor(workers, thread_name_prefix="arrayattn")
-    return _pool
+    if _pool is None or _pool[1] != workers or _pool[2] != os.getpid():
+        if _pool is not None and _pool[2] == os.getpid():
+            _pool[0].shutdown(wait=False)
+        _pool = (ThreadPoolExecutor(workers, thread_name_prefix="arrayattn"), workers,
+                 os.getpid())
+    return _pool[0]
 
 
 def _as_worker(fn):

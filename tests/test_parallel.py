@@ -65,6 +65,26 @@ class TestParallelMap:
         assert [i for i, _ in names] == list(range(6))
         assert all(name.startswith("arrayattn") for _, name in names)
 
+    @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+    def test_forked_child_gets_its_own_pool(self, monkeypatch):
+        import os
+        force_threaded(monkeypatch)
+        _parallel.parallel_map(xp, lambda i: i, range(2), blas=False)  # pool exists
+        pid = os.fork()
+        if pid == 0:  # child: the inherited pool has no threads; a hang fails by timeout
+            ok = _parallel.parallel_map(xp, lambda i: i * 2, range(4), blas=False)
+            os._exit(0 if ok == [0, 2, 4, 6] else 1)
+        import time
+        for _ in range(200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            pytest.fail("parallel_map hung in a forked child")
+        assert os.waitstatus_to_exitcode(status) == 0
+
     def test_nested_runs_serially(self, monkeypatch):
         force_threaded(monkeypatch)
 
