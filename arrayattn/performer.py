@@ -104,20 +104,27 @@ def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
     if scale < 0:
         q = -q
     exp_kind = kind in EXP_KINDS
-    if exp_kind or kind == "trig":
-        hk = xp.sum(k * k, axis=-1, keepdims=True) * (abs(scale) / 2)  # ‖k̃‖²/2
-    if key_mask is not None:
-        keep = xp.expand_dims(key_mask, axis=-1)
-        k = xp.where(keep, k, 0.0)  # padding may hold anything, even inf or NaN
-        if exp_kind:
-            hk = xp.where(keep, hk, _BIG)
-        elif kind == "trig":
-            hk = xp.where(keep, hk, -xp.inf)
+    keep = None if key_mask is None else xp.expand_dims(key_mask, axis=-1)
+    # A masked key's ‖k̃‖²/2: +_BIG (exponential maps: its features become 0) or -inf
+    # (trig: its factor exp(‖k̃‖²/2) becomes 0).
+    fill = _BIG if exp_kind else -xp.inf
+
+    def keys(j0, j1):
+        """Rows j0:j1 of k (masked keys zeroed: padding may hold anything, even inf or
+        NaN) and their ‖k̃‖²/2, block by block so no (s, d) temporary is made whole."""
+        kb = k[..., j0:j1, :]
+        hb = xp.sum(kb * kb, axis=-1, keepdims=True) * (abs(scale) / 2)
+        if keep is not None:
+            kp = keep[..., j0:j1, :]
+            kb, hb = xp.where(kp, kb, 0.0), xp.where(kp, hb, fill)
+        return kb, hb
+
     if not exp_kind:
         if kind == "trig":
             # φ(x) ∝ exp(‖x̃‖²/2) [sin, cos](ω·x̃): the query factor cancels; the key
             # factor is divided by its max over the (unmasked) keys -- not causal-safe, so
             # causal trig keeps it unshifted (finite while ‖k̃‖² < 2 log(max float)).
+            k, hk = keys(0, k.shape[-2])
             phase = _col(xp, rows.a)
             phi_q = xp.sin(_augment(xp, q, 1.0) @ wt(_augment(xp, w, phase)))
             sk = xp.sin(_augment(xp, k, 1.0) @ wt(_augment(xp, w, phase)))
@@ -126,6 +133,7 @@ def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
                 hk = hk - xp.where(top == -xp.inf, 0.0, top)
             return rows_of(phi_q), rows_of(sk * xp.exp(hk))
         # generalized kernels f(ω·x̃): nothing to stabilise (the constant m^-1/2 cancels)
+        k = keys(0, k.shape[-2])[0]
         phi_q, phi_k = _apply_g(xp, rows, q @ wt(w)), _apply_g(xp, rows, k @ wt(w))
         if key_mask is not None:
             phi_k = xp.where(keep, phi_k, 0.0)
@@ -140,8 +148,7 @@ def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
         wk = wt(_augment(xp, w, -1.0, _col(xp, ck)))
 
         def key_features(j0, j1):
-            kb = _augment(xp, k[..., j0:j1, :], hk[..., j0:j1, :], 1.0)
-            return exp_shifted_(xp, kb @ wk)
+            return exp_shifted_(xp, _augment(xp, *keys(j0, j1), 1.0) @ wk)
     else:
         # One shift per block of keys, max_j (rowmax(a_j) - ‖k̃_j‖²/2) over its keys,
         # floored so that an all-masked block (every exponent ~ -_BIG) keeps zero
@@ -149,7 +156,7 @@ def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
         wq = wt(w) if a is None else wt(_augment(xp, w, _col(xp, a)))
 
         def key_features(j0, j1):
-            kb, hb = k[..., j0:j1, :], hk[..., j0:j1, :]
+            kb, hb = keys(j0, j1)
             ak = (kb if a is None else _augment(xp, kb, 1.0)) @ wq   # ω·k̃ (+ a)
             top = xp.max(xp.max(ak, axis=-1, keepdims=True) - hb, axis=-2, keepdims=True)
             top = xp.maximum(top, -_BIG / 2)
