@@ -322,20 +322,20 @@ def _kernel_attention(xp, v, *, query_features, key_features, n: int, s: int, ba
     wd, dev = v.dtype, xp_device(v)
     itemsize = 8 if wd == xp.float64 else 4
     row_bytes = math.prod(batch) * max(m or 0, v.shape[-1] + 1) * itemsize
-    if key_mask is not None:
-        # Zero the values too: padding may hold inf/NaN, and 0 * inf = NaN.
-        keep = key_mask[..., None]
-        v = xp.where(keep, v, 0.0)
+    keep = None if key_mask is None else key_mask[..., None]
 
     def masked_key_features(j0, j1, *, shifted=False):
         pk, shift = key_features(j0, j1) if shifted else (key_features(j0, j1), None)
-        if key_mask is not None:
+        if keep is not None:
             pk = xp.where(keep[..., j0:j1, :], pk, 0.0)
         return (pk, shift) if shifted else pk
 
     def values1(j0, j1):
-        # Augment v with ones: the last output column is the denominator.
+        # Augment v with ones: the last output column is the denominator.  Masked values
+        # are zeroed too: padding may hold inf/NaN, and 0 * inf = NaN.
         vb = v[..., j0:j1, :]
+        if keep is not None:
+            vb = xp.where(keep[..., j0:j1, :], vb, 0.0)
         return xp.concat([vb, xp.ones((*vb.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)
 
     def features(i0, i1):
