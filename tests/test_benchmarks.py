@@ -71,3 +71,29 @@ def test_every_registered_variant_is_benchmarked_by_default(run, tmp_path):
     run.main(["--backends", "numpy", "--n", "16", "--repeats", "1", "--matmul-size", "256", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "run.json").read_text())["results"]
     assert [r["variant"] for r in res] == [r.name for r in arrayattn.variants()]
+
+
+def test_compare_before_after(tmp_path):
+    """benchmarks/compare.py on a tiny problem, HEAD against the work tree."""
+    import shutil
+    import subprocess
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("needs a git checkout")
+    def worktrees():
+        return subprocess.run(["git", "-C", ROOT, "worktree", "list"], capture_output=True,
+                              text=True).stdout
+    before = worktrees()
+    spec = importlib.util.spec_from_file_location(
+        "bench_compare", os.path.join(ROOT, "benchmarks", "compare.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["HEAD", "--rounds", "1", "--n", "256", "--heads", "1",
+                     "--cases", "linear,nystrom", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "compare.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| linear")
+            or line.startswith("| nystrom")]
+    assert len(rows) == 4 and all(line.rstrip().endswith("x |") for line in rows)
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert all(t > 0 for side in data["seconds"].values() for ts in side.values() for t in ts)
+    assert worktrees() == before  # the temporary worktree of the old revision is gone
