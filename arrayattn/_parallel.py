@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import array_api_compat
 
 __all__ = ["num_threads", "parallel_map", "blas_single", "split_rows", "owns_in_place", "exp_shifted_",
-           "zero_where_", "concat_rows", "cumulative_sum_"]
+           "zero_where_", "map_rows", "cumulative_sum_"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
 #: a thread hand-off costs tens of microseconds.
@@ -241,28 +241,36 @@ def split_rows(xp, n: int, *, row_bytes: int, align: int = 1) -> list[tuple[int,
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def concat_rows(xp, blocks):
-    """The row blocks of :func:`split_rows` put back together (no copy for one block).
+def map_rows(xp, fn, blocks, *, blas: bool = True):
+    """``concat([fn(rows) for rows in blocks], axis=-2)``: the row blocks ``(i0, i1)`` of
+    :func:`split_rows` (or any consecutive ranges) computed by :func:`parallel_map` and put
+    back together.
 
-    On NumPy the blocks are copied into the result by the threads (the copy, and the
-    page faults of a fresh result, would otherwise be a serial pass over the output).
+    On NumPy each worker copies its block into the result as soon as the block is done,
+    while it is still in cache, instead of a serial concatenation afterwards (a pass over
+    the whole output, and the page faults of a fresh array, on one core).
     """
+    blocks = list(blocks)
     if len(blocks) == 1:
-        return blocks[0]
-    if not array_api_compat.is_numpy_namespace(xp) or num_threads() < 2:
-        return xp.concat(blocks, axis=-2)
+        return fn(blocks[0])
+    if not array_api_compat.is_numpy_namespace(xp):
+        return xp.concat(parallel_map(xp, fn, blocks, blas=blas), axis=-2)
     import numpy as np
 
-    shape = np.broadcast_shapes(*(b.shape[:-2] for b in blocks))
-    rows = [b.shape[-2] for b in blocks]
-    out = np.empty((*shape, sum(rows), blocks[0].shape[-1]),
-                   dtype=np.result_type(*blocks))
-    starts = np.cumsum([0] + rows).tolist()
+    base, total = blocks[0][0], blocks[-1][1] - blocks[0][0]
+    result: list = []
+    first = threading.Lock()
 
-    def copy(i):
-        out[..., starts[i]:starts[i + 1], :] = blocks[i]
-    parallel_map(xp, copy, range(len(blocks)), blas=False)
-    return out
+    def run(rows):
+        block = fn(rows)
+        with first:
+            if not result:
+                result.append(np.empty((*block.shape[:-2], total, block.shape[-1]),
+                                       dtype=block.dtype))
+        result[0][..., rows[0] - base:rows[1] - base, :] = block
+
+    parallel_map(xp, run, blocks, blas=blas)
+    return result[0]
 
 
 def cumulative_sum_(xp, x, *, axis: int):

@@ -15,7 +15,7 @@ import math
 
 from ._validate import (Problem, check_key_mask, check_mask, check_positive_int,
                         check_qkv, check_scale)
-from ._parallel import exp_shifted_, owns_in_place, parallel_map
+from ._parallel import exp_shifted_, map_rows, owns_in_place
 from ._xp import xp_causal_mask
 from .registry import Variant, register
 
@@ -118,8 +118,8 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
     v1 = xp.concat([v, xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=p.device)],
                    axis=-1)
 
-    def query_block(i0):
-        i1 = min(i0 + block_size, n)
+    def query_block(rows):
+        i0, i1 = rows
         qb = q[..., i0:i1, :]
         m = xp.full((*p.batch, i1 - i0, 1), -xp.inf, dtype=p.work_dtype, device=p.device)
         acc = xp.zeros((*p.batch, i1 - i0, p.dv + 1), dtype=p.work_dtype, device=p.device)
@@ -154,8 +154,8 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
         l = acc[..., p.dv:]
         return acc[..., :p.dv] / xp.where(l > 0, l, 1.0)
 
-    outs = parallel_map(xp, query_block, range(0, n, block_size))
-    return outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+    return map_rows(xp, query_block,
+                    [(i0, min(i0 + block_size, n)) for i0 in range(0, n, block_size)])
 
 
 def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, mask=None,

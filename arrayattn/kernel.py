@@ -30,7 +30,7 @@ import array_api_compat
 from ._validate import (Problem, _broadcast_batch, check_choice, check_key_mask,
                         check_no_causal, check_positive_int, check_qkv,
                         check_same_array_kind)
-from ._parallel import (concat_rows, cumulative_sum_, owns_in_place, parallel_map,
+from ._parallel import (cumulative_sum_, map_rows, owns_in_place, parallel_map,
                         split_rows, zero_where_)
 from ._xp import compute_dtype, xp_device
 from .exact import masked_softmax
@@ -370,8 +370,7 @@ def _kernel_attention(xp, v, *, query_features, key_features, n: int, s: int, ba
                     "feature map must give queries and keys the same number of features")
             return _divide(xp, pq @ sz, eps)
 
-        outs = parallel_map(xp, query_block, split_rows(xp, n, row_bytes=row_bytes))
-        return concat_rows(xp, outs), sz
+        return map_rows(xp, query_block, split_rows(xp, n, row_bytes=row_bytes)), sz
     if method == "chunked" and n == s:
         return _chunked_blocks(xp, features, values1, sz0, n, chunk=chunk, batch=batch,
                                finish=lambda num: _divide(xp, num, eps),
@@ -449,7 +448,10 @@ def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, fi
     for _, _, _, total in first:
         starts.append(starts[-1] + total)
 
-    def pass2(b):
+    index = {rows: b for b, rows in enumerate(blocks)}
+
+    def pass2(rows):
+        b = index[rows]
         qc, kv, within, _ = first[b]
         before = xp.concat([starts[b][..., None, :, :], kv[..., :-1, :, :]], axis=-3)
         before = cumulative_sum_(xp, before, axis=-3)
@@ -458,12 +460,11 @@ def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, fi
             num += within
         else:
             num = qc @ before + within
-        i0, i1 = blocks[b]
+        i0, i1 = rows
         num = xp.reshape(num, (*num.shape[:-3], -1, num.shape[-1]))[..., :i1 - i0, :]
         return finish(num)
 
-    outs = parallel_map(xp, pass2, range(len(blocks)))
-    return concat_rows(xp, outs), starts[-1]
+    return map_rows(xp, pass2, blocks), starts[-1]
 
 
 def _check_eps(eps, xp, wd) -> float:

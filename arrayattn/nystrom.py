@@ -20,7 +20,7 @@ import math
 
 from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale)
-from ._parallel import blas_single, concat_rows, owns_in_place, parallel_map, split_rows
+from ._parallel import blas_single, map_rows, owns_in_place, parallel_map, split_rows
 from ._xp import compute_dtype, xp_device, xp_namespace
 from .exact import _shifted_exp, masked_softmax
 from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
@@ -50,8 +50,8 @@ def _segment_sums(xp, x, m: int):
         # Whole segments per block (in parallel threads on NumPy).
         y = xp.reshape(y, (*lead, segments, length, c))
         blocks = split_rows(xp, segments, row_bytes=4 * math.prod(lead) * length * c)
-        return concat_rows(xp, parallel_map(
-            xp, lambda r: xp.sum(y[..., r[0]:r[1], :, :], axis=-2), blocks, blas=False))
+        return map_rows(xp, lambda r: xp.sum(y[..., r[0]:r[1], :, :], axis=-2), blocks,
+                        blas=False)
 
     parts = []
     if extra:
@@ -271,7 +271,7 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
         return out / safe
 
     blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
-    return concat_rows(xp, parallel_map(xp, query_block, blocks))
+    return map_rows(xp, query_block, blocks)
 
 
 def _conv_skip(p, v, key_mask, conv_kernel):

@@ -116,6 +116,24 @@ class TestParallelMap:
         assert control[1]() == before
 
 
+class TestMapRows:
+    @pytest.mark.parametrize("threads", ["1", "2"])
+    def test_rows_back_in_order(self, monkeypatch, threads):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", threads)
+        x = np.arange(2 * 10 * 3.0).reshape(2, 10, 3)
+        blocks = [(0, 4), (4, 5), (5, 10)]
+        out = _parallel.map_rows(xp, lambda r: x[:, r[0]:r[1], :] * 2, blocks)
+        np.testing.assert_array_equal(out, 2 * x)
+        one = _parallel.map_rows(xp, lambda r: x[:, r[0]:r[1], :], [(0, 10)])
+        assert one.shape == x.shape
+
+    def test_other_library_concatenates(self):
+        strict = pytest.importorskip("array_api_strict")
+        x = strict.reshape(strict.arange(12.0), (4, 3))
+        out = _parallel.map_rows(strict, lambda r: x[r[0]:r[1], :], [(0, 1), (1, 4)])
+        assert type(out) is type(x) and strict.all(out == x)
+
+
 class TestInPlaceHelpers:
     def test_cumulative_sum(self):
         x = np.arange(60.0).reshape(3, 4, 5)
