@@ -24,21 +24,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import operator
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import array_api_compat
 
-__all__ = ["num_threads", "parallel_map", "blas_single", "split_rows", "owns_in_place", "exp_shifted_",
-           "zero_where_", "map_rows", "cumulative_sum_"]
+__all__ = ["num_threads", "parallel_map", "blas_single", "split_rows", "map_rows",
+           "owns_in_place", "update_", "exp_shifted_", "zero_where_", "cumulative_sum_"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
 #: a thread hand-off costs tens of microseconds.
 MIN_WORK = 1 << 20
-#: Target size of a block's largest temporary: a few times the L2 cache of a core (smaller blocks lose more to
-#: Python and small-matmul overhead than they gain), so that the
-#: passes over a block (matmul, max, subtract, exp, the next matmul) hit the cache rather
+#: Target size of a block's largest temporary: a few times the L2 cache of a core (smaller
+#: blocks lose more to Python and small-matmul overhead than they gain), so that the passes
+#: over a block (matmul, max, subtract, exp, the next matmul) mostly hit the cache rather
 #: than memory (a pass over an array far larger than the cache runs at memory speed, and
 #: a fresh large array pays a page fault per 4 KiB on first touch).
 BLOCK_BYTES = 1 << 22
@@ -151,12 +152,21 @@ def parallel_map(xp, fn, items, *, blas: bool = True) -> list:
     control = _blas_control() if blas else ()
     if blas and not control:
         return [fn(item) for item in items]
+    with _one_blas_thread(control):
+        return list(_executor(workers).map(_as_worker(fn), items))
+
+
+@contextlib.contextmanager
+def _one_blas_thread(control):
+    """Hold the BLAS of ``control`` (from :func:`_blas_control`; ``()``: none) to one
+    thread, and restore its count on the way out, also on error.  Sections are serialised
+    by the lock, which also guards the pool."""
     with _lock:
         previous = control[1]() if control else None
         if control:
             control[0](1)
         try:
-            return list(_executor(workers).map(_as_worker(fn), items))
+            yield
         finally:
             if control:
                 control[0](previous)
@@ -177,13 +187,8 @@ def blas_single(xp):
     if not control:
         yield
         return
-    with _lock:
-        previous = control[1]()
-        control[0](1)
-        try:
-            yield
-        finally:
-            control[0](previous)
+    with _one_blas_thread(control):
+        yield
 
 
 def owns_in_place(xp) -> bool:
@@ -196,13 +201,22 @@ def owns_in_place(xp) -> bool:
     return array_api_compat.is_numpy_namespace(xp) or array_api_compat.is_cupy_namespace(xp)
 
 
+_IN_PLACE = {operator.add: operator.iadd, operator.sub: operator.isub,
+             operator.mul: operator.imul, operator.truediv: operator.itruediv}
+
+
+def update_(xp, a, op, b):
+    """``op(a, b)`` (``operator.add``, ``sub``, ``mul`` or ``truediv``) for a temporary
+    ``a`` that the caller owns: ``a op= b`` in place on NumPy and CuPy (no second
+    ``a``-sized array), the functional form elsewhere."""
+    return _IN_PLACE[op](a, b) if owns_in_place(xp) else op(a, b)
+
+
 def exp_shifted_(xp, a, shift=None):
     """``exp(a - shift)`` for a temporary ``a`` that the caller owns (it may be consumed)."""
-    if owns_in_place(xp):
-        if shift is not None:
-            a -= shift
-        return xp.exp(a, out=a)
-    return xp.exp(a if shift is None else a - shift)
+    if shift is not None:
+        a = update_(xp, a, operator.sub, shift)
+    return xp.exp(a, out=a) if owns_in_place(xp) else xp.exp(a)
 
 
 def zero_where_(xp, a, mask):

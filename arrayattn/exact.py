@@ -11,15 +11,16 @@ softmax of Milakov & Gimelshein 2018.
 """
 from __future__ import annotations
 
-import math
+import functools
+import operator
 
 from ._validate import (Problem, check_key_mask, check_mask, check_positive_int,
                         check_qkv, check_scale)
-from ._parallel import exp_shifted_, map_rows, owns_in_place
+from ._parallel import exp_shifted_, map_rows, update_
 from ._xp import xp_causal_mask
 from .registry import Variant, register
 
-__all__ = ["softmax_attention", "masked_softmax", "attend", "combine_masks"]
+__all__ = ["softmax_attention", "masked_softmax", "attend", "combine_masks", "merge_blocks"]
 
 
 def combine_masks(xp, *, n: int, s: int, device, causal: bool = False, key_mask=None,
@@ -81,15 +82,27 @@ def attend(xp, scores, v, allowed=None, *, return_lse: bool = False,
     """
     p, total, m = _shifted_exp(xp, scores, allowed, consume=consume)
     safe = xp.where(total > 0, total, 1.0)
-    out = p @ v
-    if owns_in_place(xp):
-        out /= safe
-    else:
-        out = out / safe
+    out = update_(xp, p @ v, operator.truediv, safe)
     if not return_lse:
         return out
     lse = xp.where(total > 0, xp.log(safe) + m, -xp.inf)
     return out, lse[..., 0]
+
+
+def merge_blocks(xp, terms, shifts):
+    """``sum_b e^{shift_b - max_b shift_b} term_b``: partial results of disjoint key blocks,
+    each computed with its own stabiliser ``shift_b`` (divided by ``e^{shift_b}``), merged
+    as the online softmax merges blocks (the same as one shift for all keys).
+
+    ``shifts`` broadcast against their terms; a shift may be ``-inf`` (a block with no
+    allowed key, whose term is 0): it gets weight 0, and an all ``-inf`` shift no NaN.
+    """
+    if len(terms) == 1:
+        return terms[0]
+    top = functools.reduce(xp.maximum, shifts)
+    top = xp.where(top == -xp.inf, 0.0, top)
+    return functools.reduce(operator.add,
+                            (xp.exp(c - top) * t for t, c in zip(terms, shifts)))
 
 
 def _dense(p: Problem, q, k, v, *, causal, key_mask, mask):
@@ -114,7 +127,6 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
     xp = p.xp
     n, s, shift = p.n, p.s, p.s - p.n
     masked = causal or key_mask is not None or mask is not None
-    in_place = owns_in_place(xp)
     v1 = xp.concat([v, xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=p.device)],
                    axis=-1)
 
@@ -145,11 +157,8 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
             shift_by = xp.where(m_new == -xp.inf, 0.0, m_new) if masked else m_new
             pt = exp_shifted_(xp, sc, shift_by)
             corr = xp.exp(m - shift_by)
-            if in_place:
-                acc *= corr
-                acc += pt @ v1[..., j0:j1, :]
-            else:
-                acc = acc * corr + pt @ v1[..., j0:j1, :]
+            acc = update_(xp, update_(xp, acc, operator.mul, corr), operator.add,
+                          pt @ v1[..., j0:j1, :])
             m = m_new
         l = acc[..., p.dv:]
         return acc[..., :p.dv] / xp.where(l > 0, l, 1.0)

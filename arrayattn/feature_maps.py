@@ -22,10 +22,11 @@ with :math:`t = a^2\, q\cdot k` for the Taylor map (second-order Taylor expansio
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
-from ._parallel import exp_shifted_, owns_in_place
+from ._parallel import exp_shifted_, update_
 from ._xp import xp_device, xp_namespace
 
 __all__ = ["FeatureMap", "get_feature_map", "taylor_feature_map", "FEATURE_MAPS"]
@@ -84,11 +85,8 @@ def elu_plus_one(x):
     xp = xp_namespace(x)
     # exp(min(x, 0)) + max(x, 0): one branch is exactly 0 (x > 0: 1 + x; else e^x + 0),
     # nothing overflows, and no boolean temporary is needed.
-    out = exp_shifted_(xp, xp.clip(x, max=0.0))
-    if owns_in_place(xp):   # out is ours: no third (n, d) temporary
-        out += xp.clip(x, min=0.0)
-        return out
-    return out + xp.clip(x, min=0.0)
+    return update_(xp, exp_shifted_(xp, xp.clip(x, max=0.0)), operator.add,
+                   xp.clip(x, min=0.0))
 
 
 def relu(x):

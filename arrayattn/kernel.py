@@ -21,8 +21,10 @@ calls it.  Efficient attention (Shen et al. 2021) is :func:`efficient_attention`
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, replace
+import operator
+from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
@@ -30,10 +32,10 @@ import array_api_compat
 from ._validate import (Problem, _broadcast_batch, check_choice, check_key_mask,
                         check_no_causal, check_positive_int, check_qkv,
                         check_same_array_kind)
-from ._parallel import (cumulative_sum_, map_rows, owns_in_place, parallel_map,
-                        split_rows, zero_where_)
+from ._parallel import (cumulative_sum_, map_rows, parallel_map, split_rows, update_,
+                        zero_where_)
 from ._xp import compute_dtype, xp_device
-from .exact import masked_softmax
+from .exact import masked_softmax, merge_blocks
 from .feature_maps import FeatureMap, get_feature_map
 from .registry import Variant, register
 
@@ -125,7 +127,7 @@ def _chunked(xp, pq, pk, v1, sz0, chunk: int, device):
     return _chunked_blocks(
         xp, lambda i0, i1: (pq[..., i0:i1, :], pk[..., i0:i1, :]), rows_of(v1), sz0,
         pq.shape[-2], chunk=chunk, batch=tuple(pq.shape[:-2]), finish=lambda num: num,
-        row_bytes=math.prod(pq.shape[:-2]) * (pq.shape[-1] + v1.shape[-1]) * 4)
+        row_bytes=math.prod(pq.shape[:-2]) * (pq.shape[-1] + v1.shape[-1]) * 4, dev=device)
 
 
 def _causal(xp, pq, pk, v1, sz0, *, method, chunk, device):
@@ -262,12 +264,8 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     True
     """
     p = check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
-    check_key_mask(p, key_mask, phi_q)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    method = "chunked" if method is None else check_choice("method", method,
-                                                           CAUSAL_METHODS)
-    eps = _check_eps(eps, p.xp, p.work_dtype)
-    xp, wd, dev, m = p.xp, p.work_dtype, p.device, p.d
+    chunk_size, method, eps = _check_options(p, phi_q, key_mask, chunk_size, method, eps)
+    xp, wd, m = p.xp, p.work_dtype, p.d
     batch = p.batch if state is None else _check_state(p, state, phi_q, m)
     sz0 = None
     if state is not None:
@@ -286,12 +284,16 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
                                      None if state is None else state.feature_map)
 
 
+def _check_width(mq: int, mk: int):
+    if mq != mk:
+        raise ValueError(
+            f"phi_k has d={mk} but phi_q has d={mq}: the feature map must give queries and "
+            "keys the same number of features")
+
+
 def _check_features(pq, pk, rows_q: int, rows_k: int):
     """A feature map must keep the rows and give queries and keys one width and dtype."""
-    if pq.shape[-1] != pk.shape[-1]:
-        raise ValueError(
-            f"phi_k has d={pk.shape[-1]} but phi_q has d={pq.shape[-1]}: the feature map "
-            "must give queries and keys the same number of features")
+    _check_width(pq.shape[-1], pk.shape[-1])
     if pq.shape[-2] != rows_q or pk.shape[-2] != rows_k or pq.dtype != pk.dtype:
         raise ValueError(
             f"the feature map turned {rows_q} query rows into phi_q {tuple(pq.shape)} "
@@ -324,11 +326,13 @@ def _kernel_attention(xp, v, *, query_features, key_features, n: int, s: int, ba
     row_bytes = math.prod(batch) * max(m or 0, v.shape[-1] + 1) * itemsize
     keep = None if key_mask is None else key_mask[..., None]
 
-    def masked_key_features(j0, j1, *, shifted=False):
-        pk, shift = key_features(j0, j1) if shifted else (key_features(j0, j1), None)
+    def masked_key_features(j0, j1):
+        """``(features, shift)`` of key rows ``j0:j1`` (``shift`` None unless
+        ``shifted_keys``), masked keys' features zeroed."""
+        pk, shift = key_features(j0, j1) if shifted_keys else (key_features(j0, j1), None)
         if keep is not None:
             pk = xp.where(keep[..., j0:j1, :], pk, 0.0)
-        return (pk, shift) if shifted else pk
+        return pk, shift
 
     def values1(j0, j1):
         # Augment v with ones: the last output column is the denominator.  Masked values
@@ -339,43 +343,34 @@ def _kernel_attention(xp, v, *, query_features, key_features, n: int, s: int, ba
         return xp.concat([vb, xp.ones((*vb.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)
 
     def features(i0, i1):
-        pq, pk = query_features(i0, i1), masked_key_features(i0, i1)
+        pq, pk = query_features(i0, i1), masked_key_features(i0, i1)[0]
         _check_features(pq, pk, i1 - i0, i1 - i0)
         return pq, pk
 
     if shifted_keys and causal:
         raise ValueError("per-block key shifts are not causal-safe")
     if not causal:
-        shifted = shifted_keys
-
         def key_block(rows):
-            pk = masked_key_features(*rows, shifted=shifted)
-            pk, shift = pk if shifted else (pk, None)
+            pk, shift = masked_key_features(*rows)
             return xp.matrix_transpose(pk) @ values1(*rows), shift
 
         parts = parallel_map(xp, key_block, split_rows(xp, s, row_bytes=row_bytes))
-        if shifted:
-            top = parts[0][1]
-            for _, shift in parts[1:]:
-                top = xp.maximum(top, shift)
-            parts = [(kv * xp.exp(shift - top), None) for kv, shift in parts]
-        kv = _sum([kv for kv, _ in parts])
+        states = [kv for kv, _ in parts]
+        kv = merge_blocks(xp, states, [shift for _, shift in parts]) if shifted_keys else \
+            functools.reduce(operator.add, states)
         sz = kv if sz0 is None else sz0 + kv
 
         def query_block(rows):
             pq = query_features(*rows)
-            if pq.shape[-1] != sz.shape[-2]:
-                raise ValueError(
-                    f"phi_k has d={sz.shape[-2]} but phi_q has d={pq.shape[-1]}: the "
-                    "feature map must give queries and keys the same number of features")
+            _check_width(pq.shape[-1], sz.shape[-2])
             return _divide(xp, pq @ sz, eps)
 
         return map_rows(xp, query_block, split_rows(xp, n, row_bytes=row_bytes)), sz
     if method == "chunked" and n == s:
         return _chunked_blocks(xp, features, values1, sz0, n, chunk=chunk, batch=batch,
                                finish=lambda num: _divide(xp, num, eps),
-                               row_bytes=row_bytes)
-    pq, pk = query_features(0, n), masked_key_features(0, s)
+                               row_bytes=row_bytes, dev=dev)
+    pq, pk = query_features(0, n), masked_key_features(0, s)[0]
     _check_features(pq, pk, n, s)
     if sz0 is None:
         sz0 = xp.zeros((*batch, pq.shape[-1], v.shape[-1] + 1), dtype=wd, device=dev)
@@ -393,15 +388,8 @@ def rows_of(x, f=None):
     return lambda i0, i1: f(x[..., i0:i1, :])
 
 
-def _sum(parts):
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
 def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, finish,
-                    row_bytes: int):
+                    row_bytes: int, dev):
     """The chunked causal form (``n == s``) over blocks of whole chunks, in two passes.
 
     Pass 1, per block (in parallel on NumPy): features, per-chunk states
@@ -414,10 +402,7 @@ def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, fi
     values with their column of ones; ``sz0=None`` starts from a zero state.
     """
     c = min(chunk, n)
-    probe = values1(0, 1)
-    dev = xp_device(probe)
     future = ~xp.tril(xp.ones((c, c), dtype=xp.bool, device=dev))
-    in_place = owns_in_place(xp)
 
     def pass1(rows):
         i0, i1 = rows
@@ -455,16 +440,22 @@ def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, fi
         qc, kv, within, _ = first[b]
         before = xp.concat([starts[b][..., None, :, :], kv[..., :-1, :, :]], axis=-3)
         before = cumulative_sum_(xp, before, axis=-3)
-        if in_place:
-            num = qc @ before
-            num += within
-        else:
-            num = qc @ before + within
+        num = update_(xp, qc @ before, operator.add, within)
         i0, i1 = rows
         num = xp.reshape(num, (*num.shape[:-3], -1, num.shape[-1]))[..., :i1 - i0, :]
         return finish(num)
 
     return map_rows(xp, pass2, blocks), starts[-1]
+
+
+def _check_options(p: Problem, ref, key_mask, chunk_size, method, eps):
+    """The options :func:`feature_attention` and :func:`linear_attention` share, checked:
+    ``(chunk_size, method, eps)`` with ``method=None`` -> ``"chunked"`` and ``eps`` a float."""
+    check_key_mask(p, key_mask, ref)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    method = "chunked" if method is None else check_choice("method", method,
+                                                           CAUSAL_METHODS)
+    return chunk_size, method, _check_eps(eps, p.xp, p.work_dtype)
 
 
 def _check_eps(eps, xp, wd) -> float:
@@ -481,11 +472,9 @@ def _divide(xp, num, eps: float):
     """``num[..., :-1] / num[..., -1:]``; rows with ``|den| <= eps`` -> 0."""
     den = num[..., -1:]
     # A guarded row divides by +inf: finite / inf = 0 exactly, one where on (..., n, 1).
+    # num is the caller's temporary: divided in place where that is possible.
     safe = xp.where(xp.abs(den) > eps, den, xp.inf)
-    if owns_in_place(xp):  # num is the caller's temporary: no second (n, dv) array
-        num /= safe
-        return num[..., :-1]
-    return num[..., :-1] / safe
+    return update_(xp, num, operator.truediv, safe)[..., :-1]
 
 
 def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
@@ -591,13 +580,9 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
     True
     """
     p = check_qkv(q, k, v)
-    check_key_mask(p, key_mask, q)
+    chunk_size, method, eps = _check_options(p, q, key_mask, chunk_size, method, eps)
     fm = get_feature_map(feature_map)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    method = "chunked" if method is None else check_choice("method", method,
-                                                           CAUSAL_METHODS)
     xp, wd = p.xp, p.work_dtype
-    eps = _check_eps(eps, xp, wd)
     # The maps are applied block by block inside (they act on the last axis only).
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
     out, sz = _kernel_attention(

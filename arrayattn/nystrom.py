@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale)
-from ._parallel import blas_single, map_rows, owns_in_place, parallel_map, split_rows
+from ._parallel import blas_single, map_rows, parallel_map, split_rows, update_
 from ._xp import compute_dtype, xp_device, xp_namespace
-from .exact import _shifted_exp, masked_softmax
+from .exact import _shifted_exp, masked_softmax, merge_blocks
 from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
 from .registry import Variant, register
 
@@ -230,19 +231,10 @@ def _landmark_values(p, qt, wk, wv, allowed):
 
     blocks = split_rows(xp, p.s, row_bytes=4 * math.prod(p.batch) * qt.shape[-2])
     parts = parallel_map(xp, key_block, blocks)
-    if len(parts) == 1:
-        num, total, _ = parts[0]
-    else:
-        top = parts[0][2]
-        for _, _, c in parts[1:]:
-            top = xp.maximum(top, c)
-        top = xp.where(top == -xp.inf, 0.0, top)
-        num, total = 0.0, 0.0
-        for nb, lb, c in parts:
-            f = xp.exp(c - top)                       # (..., 1, m); 0 for an empty block
-            num = num + xp.matrix_transpose(f) * nb
-            total = total + f * lb
-    total = xp.matrix_transpose(total)               # (..., m, 1)
+    shifts = [c for _, _, c in parts]                                  # (..., 1, m) each
+    num = merge_blocks(xp, [nb for nb, _, _ in parts],
+                       [xp.matrix_transpose(c) for c in shifts])
+    total = xp.matrix_transpose(merge_blocks(xp, [lb for _, lb, _ in parts], shifts))
     return num / xp.where(total > 0, total, 1.0)
 
 
@@ -263,12 +255,8 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
         st = kts @ xp.matrix_transpose(wq[..., rows[0]:rows[1], :])    # (..., m, rows)
         e, total, _ = _shifted_exp(xp, st, allowed, axis=-2, consume=True)
         total = xp.matrix_transpose(total)                              # (..., rows, 1)
-        out = xp.matrix_transpose(e) @ lv
-        safe = xp.where(total > 0, total, 1.0)
-        if owns_in_place(xp):
-            out /= safe
-            return out
-        return out / safe
+        return update_(xp, xp.matrix_transpose(e) @ lv, operator.truediv,
+                       xp.where(total > 0, total, 1.0))
 
     blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
     return map_rows(xp, query_block, blocks)

@@ -29,7 +29,6 @@ Every factor that is removed from the features cancels in the ratio; nothing is 
 """
 from __future__ import annotations
 
-import math
 
 import array_api_compat
 import numpy as np
@@ -43,7 +42,7 @@ from ._parallel import exp_shifted_
 from .kernel import _kernel_attention, rows_of
 from .registry import Variant, register
 
-__all__ = ["performer_attention", "performer_features"]
+__all__ = ["performer_attention", "performer_maps"]
 
 
 #: Stands in for +inf in sums that go through a matmul: ``exp(-_BIG) == 0`` exactly in every
@@ -71,33 +70,23 @@ def _col(xp, v):
     return xp.expand_dims(v, axis=-1)
 
 
-def performer_features(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
-                       key_mask=None):
-    """Stabilised features ``(φq (..., n, m'), φk (..., s, m'))`` for attention.
+def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
+                   key_mask=None):
+    """Row-block callables ``(i0, i1) -> φq[..., i0:i1, :]`` and
+    ``(j0, j1) -> φk[..., j0:j1, :]`` of the stabilised features for attention.
 
     ``φq_i·φk_j = c_i C K̂_ij`` with ``K̂`` the random-feature estimate of the kernel, a
     per-query factor ``c_i`` and a global ``C`` (both cancel in the attention ratio; module
     docstring).  Masked keys get all-zero features.  ``q, k`` are in the working dtype;
     ``rows`` from :func:`arrayattn.random_features.feature_rows`.
-    """
-    query_features, key_features = performer_maps(xp, q, k, rows, scale=scale,
-                                                   causal=causal, key_mask=key_mask)
-    phi_k = key_features(0, k.shape[-2])
-    return query_features(0, q.shape[-2]), phi_k[0] if isinstance(phi_k, tuple) else phi_k
 
-
-def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
-                   key_mask=None):
-    """Row-block feature callables ``(i0, i1) -> φq[..., i0:i1, :]`` and
-    ``(j0, j1) -> φk[..., j0:j1, :]`` of :func:`performer_features`.
-
-    So the features are made block by block (in parallel threads on NumPy) and never held
+    The features are made block by block (in parallel threads on NumPy) and never held
     whole.  Additive terms of an exponent are folded into the projection matmul as extra
     columns (``[k, ‖k̃‖²/2, 1] @ [W, -1, a - c]^T``) or subtracted with the shift in the
-    one pass before ``exp``.  Non-causal, the key callable returns ``(φk, shift)``: the
-    block's features and its own shift (see ``shifted_keys`` of
-    :func:`arrayattn.kernel._kernel_attention`), so ``performer_features`` takes one
-    block for the keys (the global shift).
+    one pass before ``exp``.  Non-causal exponential kinds: the key callable returns
+    ``(φk, shift)``, the block's features and its own shift, which
+    :func:`arrayattn.kernel._kernel_attention` merges into one global ``C``
+    (``shifted_keys``).
     """
     kind, w = rows.kind, rows.w
     wt = xp.matrix_transpose

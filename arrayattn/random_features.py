@@ -245,7 +245,7 @@ def as_features(features, d: int, *, name: str = "features") -> RandomFeatures:
 #   trig:        exp(‖x̃‖²/2) sin(t)     (a_f = 0 or π/2 gives sin and cos)
 #   generalized: f(t)                    (relu, or a caller's function; a_f = 0)
 # The same rows serve the dense diagnostic (estimate_kernel) and attention
-# (arrayattn.performer.performer_features).
+# (arrayattn.performer.performer_maps).
 # ---------------------------------------------------------------------------------
 
 EXP_KINDS = ("positive", "hyperbolic", "favor++")
