@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import math
 import operator
 import os
 import threading
@@ -32,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import array_api_compat
 
 __all__ = ["num_threads", "parallel_map", "blas_single", "split_rows", "map_rows",
-           "owns_in_place", "update_", "exp_shifted_", "zero_where_", "cumulative_sum_"]
+           "scratch", "matmul_into", "owns_in_place", "update_", "exp_shifted_",
+           "fill_where_", "zero_where_", "reduce_axis", "cumulative_sum_"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
 #: a thread hand-off costs tens of microseconds.
@@ -46,7 +48,7 @@ BLOCK_BYTES = 1 << 22
 #: The tests set MIN_WORK = 0 and BLOCK_BYTES = 1 on one backend, so that small inputs run
 #: the split path with many blocks.
 
-_state = threading.local()   # .inside: this thread is a worker of parallel_map
+_state = threading.local()   # .inside: a worker of parallel_map; .scratch: its buffers
 _lock = threading.RLock()    # one section sets the BLAS thread count at a time
 _pool: tuple | None = None    # (executor, workers, pid)
 _blas: tuple | None = None   # (set, get) of the BLAS thread count, or () when not found
@@ -125,14 +127,29 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     return _pool[0]
 
 
-def _as_worker(fn):
+def _as_worker(fn, buffers: dict):
+    """``fn`` run as a worker of one :func:`parallel_map` call: nested calls run serially,
+    and :func:`scratch` hands out this thread's buffers of ``buffers`` (dropped with the
+    call, so no memory outlives it)."""
     def run(item):
         _state.inside = True
+        _state.scratch = buffers.setdefault(threading.get_ident(), {})
         try:
             return fn(item)
         finally:
-            _state.inside = False
+            _state.inside, _state.scratch = False, None
     return run
+
+
+def _serial(fn, items, numpy: bool) -> list:
+    """``[fn(item) for item in items]`` with fresh :func:`scratch` buffers on NumPy (a
+    nested call must not hand out the buffers its caller is using)."""
+    saved = getattr(_state, "scratch", None)
+    _state.scratch = {} if numpy else None
+    try:
+        return [fn(item) for item in items]
+    finally:
+        _state.scratch = saved
 
 
 def parallel_map(xp, fn, items, *, blas: bool = True) -> list:
@@ -142,18 +159,57 @@ def parallel_map(xp, fn, items, *, blas: bool = True) -> list:
     item reads).  ``blas=True`` when ``fn`` calls matmuls: the threaded path then holds the
     BLAS to one thread while it runs (and is skipped when the BLAS cannot be told, since
     oversubscribed OpenBLAS threads are slower than one stream); ``blas=False`` for
-    elementwise-only work.  A call from inside a worker runs serially.
+    elementwise-only work.  A call from inside a worker runs serially.  Inside ``fn``,
+    :func:`scratch` gives buffers that the items run by one thread share.
     """
     items = list(items)
     workers = min(num_threads(), len(items))
-    if (workers < 2 or not array_api_compat.is_numpy_namespace(xp)
-            or getattr(_state, "inside", False)):
-        return [fn(item) for item in items]
+    numpy = array_api_compat.is_numpy_namespace(xp)
+    if workers < 2 or not numpy or getattr(_state, "inside", False):
+        return _serial(fn, items, numpy)
     control = _blas_control() if blas else ()
     if blas and not control:
-        return [fn(item) for item in items]
+        return _serial(fn, items, numpy)
     with _one_blas_thread(control):
-        return list(_executor(workers).map(_as_worker(fn), items))
+        return list(_executor(workers).map(_as_worker(fn, {}), items))
+
+
+def scratch(xp, shape, dtype, slot: str):
+    """A buffer of ``shape`` and ``dtype`` that every item one thread runs in the current
+    :func:`parallel_map` call reuses (NumPy), or ``None`` (other libraries, or outside a
+    call): then the caller makes a fresh array as usual.
+
+    Why: a fresh block-sized temporary is fresh memory -- the allocator returns a freed
+    block of this size to the system, and the next one pays a page fault per 4 KiB on
+    first touch (measured: the block matmuls of a Nyström pass ran at half speed).
+    ``slot`` names the buffer; a block must not return it, nor use one slot twice at once.
+    """
+    buffers = getattr(_state, "scratch", None)
+    if buffers is None or not array_api_compat.is_numpy_namespace(xp):
+        return None
+    size = math.prod(shape)
+    buf = buffers.get(slot)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = buffers[slot] = xp.empty(size, dtype=dtype)
+    return xp.reshape(buf[:size], shape)
+
+
+def matmul_into(xp, a, b, out=None):
+    """``a @ b``, written into ``out`` when it is an array (NumPy: ``matmul(out=)``, no
+    fresh result), or into the :func:`scratch` buffer named ``out`` when it is a string;
+    a fresh array when neither is available."""
+    if isinstance(out, str):
+        shape = (*_broadcast(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+        out = scratch(xp, shape, a.dtype, out)
+    if out is None:
+        return a @ b
+    import numpy as np
+    return np.matmul(a, b, out=out)
+
+
+def _broadcast(s1, s2) -> tuple:
+    import numpy as np
+    return tuple(np.broadcast_shapes(tuple(s1), tuple(s2)))
 
 
 @contextlib.contextmanager
@@ -219,18 +275,24 @@ def exp_shifted_(xp, a, shift=None):
     return xp.exp(a, out=a) if owns_in_place(xp) else xp.exp(a)
 
 
-def zero_where_(xp, a, mask):
-    """``where(mask, 0, a)`` for a temporary ``a`` that the caller owns (set in place on
-    NumPy and CuPy).  Not ``a * ~mask``: an inf in a masked place would give NaN."""
+def fill_where_(xp, a, mask, value: float):
+    """``where(mask, value, a)`` for a temporary ``a`` that the caller owns (set in place on
+    NumPy and CuPy; ``mask`` broadcasts against ``a``)."""
     if array_api_compat.is_numpy_namespace(xp):
         import numpy as np
-        np.copyto(a, 0, where=mask)
+        np.copyto(a, value, where=mask)
         return a
     if array_api_compat.is_cupy_namespace(xp):  # pragma: no cover - needs a GPU
         import cupy
-        cupy.copyto(a, 0, where=mask)
+        cupy.copyto(a, value, where=mask)
         return a
-    return xp.where(mask, 0.0, a)
+    return xp.where(mask, value, a)
+
+
+def zero_where_(xp, a, mask):
+    """``where(mask, 0, a)`` for a temporary ``a`` that the caller owns.  Not
+    ``a * ~mask``: an inf in a masked place would give NaN."""
+    return fill_where_(xp, a, mask, 0.0)
 
 
 def split_rows(xp, n: int, *, row_bytes: int, align: int = 1) -> list[tuple[int, int]]:
@@ -255,36 +317,63 @@ def split_rows(xp, n: int, *, row_bytes: int, align: int = 1) -> list[tuple[int,
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def map_rows(xp, fn, blocks, *, blas: bool = True):
-    """``concat([fn(rows) for rows in blocks], axis=-2)``: the row blocks ``(i0, i1)`` of
-    :func:`split_rows` (or any consecutive ranges) computed by :func:`parallel_map` and put
-    back together.
+def map_rows(xp, fn, blocks, *, shape, dtype, blas: bool = True):
+    """``concat([fn(rows, None) for rows in blocks], axis=-2)``: the row blocks ``(i0, i1)``
+    of :func:`split_rows` (or any consecutive ranges) of a result of ``shape`` and
+    ``dtype``, computed by :func:`parallel_map` and put together.
 
-    On NumPy each worker copies its block into the result as soon as the block is done,
-    while it is still in cache, instead of a serial concatenation afterwards (a pass over
-    the whole output, and the page faults of a fresh array, on one core).
+    On NumPy each call gets ``out``, the block's place in the result: ``fn`` may write
+    its block there (a ``matmul_into``, then in-place updates) and return ``out``, with no
+    block-sized temporary at all; a block it returns otherwise is copied in while it is
+    still in cache (not in a serial concatenation afterwards, a pass over the whole
+    output on one core).  Elsewhere ``out`` is ``None``.
     """
     blocks = list(blocks)
     if len(blocks) == 1:
-        return fn(blocks[0])
+        return fn(blocks[0], None)
     if not array_api_compat.is_numpy_namespace(xp):
-        return xp.concat(parallel_map(xp, fn, blocks, blas=blas), axis=-2)
-    import numpy as np
-
-    base, total = blocks[0][0], blocks[-1][1] - blocks[0][0]
-    result: list = []
-    first = threading.Lock()
+        return xp.concat(parallel_map(xp, lambda rows: fn(rows, None), blocks, blas=blas),
+                         axis=-2)
+    result = xp.empty(tuple(shape), dtype=dtype)
+    base = blocks[0][0]
 
     def run(rows):
-        block = fn(rows)
-        with first:
-            if not result:
-                result.append(np.empty((*block.shape[:-2], total, block.shape[-1]),
-                                       dtype=block.dtype))
-        result[0][..., rows[0] - base:rows[1] - base, :] = block
+        place = result[..., rows[0] - base:rows[1] - base, :]
+        block = fn(rows, place)
+        if block is not place:
+            place[...] = block
 
     parallel_map(xp, run, blocks, blas=blas)
-    return result[0]
+    return result
+
+
+#: Row length :func:`reduce_axis` aims at when it views rows of a NumPy array as one.
+REDUCE_ROW = 2048
+
+
+def reduce_axis(xp, reduce, x, axis: int):
+    """``reduce(x, axis=axis, keepdims=True)`` for ``reduce`` = ``xp.max`` or ``xp.sum``.
+
+    NumPy reduces over the second-last axis of a C-contiguous array one short row at a
+    time (a loop call per row of ``c`` elements: ~2.5x slower than a long row, measured
+    at ``c = 64``).  There the array ``(..., r, c)`` is viewed as ``(..., r/g, g c)`` --
+    ``g`` consecutive rows as one long row, a free reshape when the last two axes are
+    contiguous -- reduced over its rows, and
+    the ``g`` partial results then reduced: the same maximum, and a sum in another order.
+    """
+    if (x.ndim < 2 or axis not in (-2, x.ndim - 2)
+            or not array_api_compat.is_numpy_namespace(xp)
+            or x.strides[-1] != x.itemsize or x.strides[-2] != x.shape[-1] * x.itemsize):
+        return reduce(x, axis=axis, keepdims=True)
+    r, c = x.shape[-2], x.shape[-1]
+    g = max(1, min(r, REDUCE_ROW // max(1, c)))
+    while r % g:  # the largest group size up to the target that divides the rows
+        g -= 1
+    if g < 4:
+        return reduce(x, axis=-2, keepdims=True)
+    lead = x.shape[:-2]
+    partial = reduce(xp.reshape(x, (*lead, r // g, g * c)), axis=-2, keepdims=True)
+    return reduce(xp.reshape(partial, (*lead, g, c)), axis=-2, keepdims=True)
 
 
 def cumulative_sum_(xp, x, *, axis: int):

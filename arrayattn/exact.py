@@ -16,7 +16,7 @@ import operator
 
 from ._validate import (Problem, check_key_mask, check_mask, check_positive_int,
                         check_qkv, check_scale)
-from ._parallel import exp_shifted_, map_rows, update_
+from ._parallel import exp_shifted_, fill_where_, map_rows, matmul_into, reduce_axis, update_
 from ._xp import xp_causal_mask
 from .registry import Variant, register
 
@@ -51,13 +51,14 @@ def _shifted_exp(xp, scores, allowed, axis: int = -1, consume: bool = False):
     and may be overwritten (NumPy, CuPy: no second score-sized array).
     """
     if allowed is not None:
-        scores = xp.where(allowed, scores, -xp.inf)
+        scores = fill_where_(xp, scores, ~allowed, -xp.inf) if consume else \
+            xp.where(allowed, scores, -xp.inf)
         consume = True
-    m = xp.max(scores, axis=axis, keepdims=True)
+    m = reduce_axis(xp, xp.max, scores, axis)
     if allowed is not None:
         m = xp.where(m == -xp.inf, 0.0, m)
     p = exp_shifted_(xp, scores, m) if consume else xp.exp(scores - m)
-    return p, xp.sum(p, axis=axis, keepdims=True), m
+    return p, reduce_axis(xp, xp.sum, p, axis), m
 
 
 def masked_softmax(xp, scores, allowed=None, *, axis: int = -1, consume: bool = False):
@@ -130,7 +131,7 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
     v1 = xp.concat([v, xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=p.device)],
                    axis=-1)
 
-    def query_block(rows):
+    def query_block(rows, out):
         i0, i1 = rows
         qb = q[..., i0:i1, :]
         m = xp.full((*p.batch, i1 - i0, 1), -xp.inf, dtype=p.work_dtype, device=p.device)
@@ -141,7 +142,7 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
             j1 = min(j0 + block_size, s)
             # Slice k's rows, then transpose: a contiguous block whose transpose BLAS
             # reads in place (slicing columns of k^T gives a strided operand, ~3x slower).
-            sc = qb @ xp.matrix_transpose(k[..., j0:j1, :])
+            sc = matmul_into(xp, qb, xp.matrix_transpose(k[..., j0:j1, :]), "scores")
             tile_causal = causal and (j1 - 1 > i0 + shift)  # some key in the future
             allowed = combine_masks(
                 xp, n=i1 - i0, s=j1 - j0, device=p.device, causal=tile_causal,
@@ -150,7 +151,7 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
                 row0=i0, col0=j0, shift=shift,
             )
             if allowed is not None:
-                sc = xp.where(allowed, sc, -xp.inf)
+                sc = fill_where_(xp, sc, ~allowed, -xp.inf)
             m_new = xp.maximum(m, xp.max(sc, axis=-1, keepdims=True))
             # A row with no allowed key yet keeps m = -inf (so a later, smaller max is
             # still taken as its max) but is shifted by 0, not -inf: exp(-inf) = 0, no NaN.
@@ -158,13 +159,14 @@ def _blockwise(p: Problem, q, k, v, *, causal, key_mask, mask, block_size: int):
             pt = exp_shifted_(xp, sc, shift_by)
             corr = xp.exp(m - shift_by)
             acc = update_(xp, update_(xp, acc, operator.mul, corr), operator.add,
-                          pt @ v1[..., j0:j1, :])
+                          matmul_into(xp, pt, v1[..., j0:j1, :], "pv"))
             m = m_new
         l = acc[..., p.dv:]
         return acc[..., :p.dv] / xp.where(l > 0, l, 1.0)
 
     return map_rows(xp, query_block,
-                    [(i0, min(i0 + block_size, n)) for i0 in range(0, n, block_size)])
+                    [(i0, min(i0 + block_size, n)) for i0 in range(0, n, block_size)],
+                    shape=(*p.batch, n, p.dv), dtype=p.work_dtype)
 
 
 def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, mask=None,

@@ -32,8 +32,8 @@ import array_api_compat
 from ._validate import (Problem, _broadcast_batch, check_choice, check_key_mask,
                         check_no_causal, check_positive_int, check_qkv,
                         check_same_array_kind)
-from ._parallel import (cumulative_sum_, map_rows, parallel_map, split_rows, update_,
-                        zero_where_)
+from ._parallel import (cumulative_sum_, map_rows, matmul_into, parallel_map, split_rows,
+                        update_, zero_where_)
 from ._xp import compute_dtype, xp_device
 from .exact import masked_softmax, merge_blocks
 from .feature_maps import FeatureMap, get_feature_map
@@ -127,6 +127,7 @@ def _chunked(xp, pq, pk, v1, sz0, chunk: int, device):
     return _chunked_blocks(
         xp, lambda i0, i1: (pq[..., i0:i1, :], pk[..., i0:i1, :]), rows_of(v1), sz0,
         pq.shape[-2], chunk=chunk, batch=tuple(pq.shape[:-2]), finish=lambda num: num,
+        width=v1.shape[-1],
         row_bytes=math.prod(pq.shape[:-2]) * (pq.shape[-1] + v1.shape[-1]) * 4, dev=device)
 
 
@@ -360,15 +361,16 @@ def _kernel_attention(xp, v, *, query_features, key_features, n: int, s: int, ba
             functools.reduce(operator.add, states)
         sz = kv if sz0 is None else sz0 + kv
 
-        def query_block(rows):
+        def query_block(rows, out):
             pq = query_features(*rows)
             _check_width(pq.shape[-1], sz.shape[-2])
-            return _divide(xp, pq @ sz, eps)
+            return _divide(xp, matmul_into(xp, pq, sz, "num"), eps)
 
-        return map_rows(xp, query_block, split_rows(xp, n, row_bytes=row_bytes)), sz
+        return map_rows(xp, query_block, split_rows(xp, n, row_bytes=row_bytes),
+                        shape=(*batch, n, v.shape[-1]), dtype=wd), sz
     if method == "chunked" and n == s:
         return _chunked_blocks(xp, features, values1, sz0, n, chunk=chunk, batch=batch,
-                               finish=lambda num: _divide(xp, num, eps),
+                               finish=lambda num: _divide(xp, num, eps), width=v.shape[-1],
                                row_bytes=row_bytes, dev=dev)
     pq, pk = query_features(0, n), masked_key_features(0, s)[0]
     _check_features(pq, pk, n, s)
@@ -389,7 +391,7 @@ def rows_of(x, f=None):
 
 
 def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, finish,
-                    row_bytes: int, dev):
+                    width: int, row_bytes: int, dev):
     """The chunked causal form (``n == s``) over blocks of whole chunks, in two passes.
 
     Pass 1, per block (in parallel on NumPy): features, per-chunk states
@@ -399,7 +401,8 @@ def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, fi
     before each chunk: a chunk's own keys, some in the future of its queries, never
     enter it) and the numerators ``(..., rows, dv + 1)``, passed through ``finish``.
     ``features(i0, i1)`` gives ``(phi_q, phi_k)`` of rows ``i0:i1``, ``values1`` the
-    values with their column of ones; ``sz0=None`` starts from a zero state.
+    values with their column of ones; ``sz0=None`` starts from a zero state; ``width``
+    is the number of columns ``finish`` leaves.
     """
     c = min(chunk, n)
     future = ~xp.tril(xp.ones((c, c), dtype=xp.bool, device=dev))
@@ -435,7 +438,7 @@ def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, fi
 
     index = {rows: b for b, rows in enumerate(blocks)}
 
-    def pass2(rows):
+    def pass2(rows, out):
         b = index[rows]
         qc, kv, within, _ = first[b]
         before = xp.concat([starts[b][..., None, :, :], kv[..., :-1, :, :]], axis=-3)
@@ -445,7 +448,8 @@ def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, fi
         num = xp.reshape(num, (*num.shape[:-3], -1, num.shape[-1]))[..., :i1 - i0, :]
         return finish(num)
 
-    return map_rows(xp, pass2, blocks), starts[-1]
+    return (map_rows(xp, pass2, blocks, shape=(*batch, n, width), dtype=sz0.dtype),
+            starts[-1])
 
 
 def _check_options(p: Problem, ref, key_mask, chunk_size, method, eps):

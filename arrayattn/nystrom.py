@@ -21,7 +21,8 @@ import operator
 
 from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale)
-from ._parallel import blas_single, map_rows, parallel_map, split_rows, update_
+from ._parallel import (blas_single, map_rows, matmul_into, parallel_map, reduce_axis,
+                        split_rows, update_)
 from ._xp import compute_dtype, xp_device, xp_namespace
 from .exact import _shifted_exp, masked_softmax, merge_blocks
 from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
@@ -51,7 +52,10 @@ def _segment_sums(xp, x, m: int):
         # Whole segments per block (in parallel threads on NumPy).
         y = xp.reshape(y, (*lead, segments, length, c))
         blocks = split_rows(xp, segments, row_bytes=4 * math.prod(lead) * length * c)
-        return map_rows(xp, lambda r: xp.sum(y[..., r[0]:r[1], :, :], axis=-2), blocks,
+        def block(r, out):
+            return reduce_axis(xp, xp.sum, y[..., r[0]:r[1], :, :], axis=-2)[..., 0, :]
+
+        return map_rows(xp, block, blocks, shape=(*lead, segments, c), dtype=x.dtype,
                         blas=False)
 
     parts = []
@@ -222,7 +226,7 @@ def _landmark_values(p, qt, wk, wv, allowed):
 
     def key_block(rows):
         j0, j1 = rows
-        st = wk[..., j0:j1, :] @ xp.matrix_transpose(qt)          # (..., b, m)
+        st = matmul_into(xp, wk[..., j0:j1, :], xp.matrix_transpose(qt), "scores")  # (b, m)
         e, total, c = _shifted_exp(xp, st, allowed_t[..., j0:j1, :] if multi else allowed_t,
                                    axis=-2, consume=True)
         # The true block max: -inf where the block has no allowed key for a landmark.
@@ -251,15 +255,22 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
     xp = p.xp
     allowed = None if kcols is None else xp.matrix_transpose(kcols)    # (..., m, 1)
 
-    def query_block(rows):
-        st = kts @ xp.matrix_transpose(wq[..., rows[0]:rows[1], :])    # (..., m, rows)
+    def stabilised(rows, out):
+        st = matmul_into(xp, kts, xp.matrix_transpose(wq[..., rows[0]:rows[1], :]),
+                         "scores")                                     # (..., m, rows)
         e, total, _ = _shifted_exp(xp, st, allowed, axis=-2, consume=True)
-        total = xp.matrix_transpose(total)                              # (..., rows, 1)
-        return update_(xp, xp.matrix_transpose(e) @ lv, operator.truediv,
-                       xp.where(total > 0, total, 1.0))
+        total = xp.where(total > 0, total, 1.0)                         # (..., 1, rows)
+        if e.shape[-2] <= lv.shape[-1]:
+            # Normalise the weights, not the output: as many divisions or fewer, and
+            # along long rows (an (rows, dv) / (rows, 1) division runs a loop per row).
+            e = update_(xp, e, operator.truediv, total)
+            return matmul_into(xp, xp.matrix_transpose(e), lv, out)
+        return update_(xp, matmul_into(xp, xp.matrix_transpose(e), lv, out),
+                       operator.truediv, xp.matrix_transpose(total))
 
     blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
-    return map_rows(xp, query_block, blocks)
+    return map_rows(xp, stabilised, blocks, shape=(*p.batch, p.n, lv.shape[-1]),
+                    dtype=p.work_dtype)
 
 
 def _conv_skip(p, v, key_mask, conv_kernel):

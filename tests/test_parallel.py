@@ -122,16 +122,139 @@ class TestMapRows:
         monkeypatch.setenv("ARRAYATTN_NUM_THREADS", threads)
         x = np.arange(2 * 10 * 3.0).reshape(2, 10, 3)
         blocks = [(0, 4), (4, 5), (5, 10)]
-        out = _parallel.map_rows(xp, lambda r: x[:, r[0]:r[1], :] * 2, blocks)
+        out = _parallel.map_rows(xp, lambda r, out: x[:, r[0]:r[1], :] * 2, blocks,
+                                 shape=x.shape, dtype=x.dtype)
         np.testing.assert_array_equal(out, 2 * x)
-        one = _parallel.map_rows(xp, lambda r: x[:, r[0]:r[1], :], [(0, 10)])
+        one = _parallel.map_rows(xp, lambda r, out: x[:, r[0]:r[1], :], [(0, 10)],
+                                 shape=x.shape, dtype=x.dtype)
         assert one.shape == x.shape
+
+    @pytest.mark.parametrize("threads", ["1", "2"])
+    def test_blocks_written_in_place(self, monkeypatch, threads):
+        """A block written into its ``out`` and returned is not copied again; ``out`` is
+        the block's own place in the result."""
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", threads)
+        x = np.arange(2 * 10 * 3.0).reshape(2, 10, 3)
+        places = []
+
+        def block(rows, out):
+            assert out.shape == (2, rows[1] - rows[0], 3)
+            places.append(out)
+            np.multiply(x[:, rows[0]:rows[1], :], 3, out=out)
+            return out
+
+        out = _parallel.map_rows(xp, block, [(0, 4), (4, 10)], shape=x.shape,
+                                 dtype=x.dtype)
+        np.testing.assert_array_equal(out, 3 * x)
+        assert all(np.shares_memory(p, out) for p in places)
 
     def test_other_library_concatenates(self):
         strict = pytest.importorskip("array_api_strict")
         x = strict.reshape(strict.arange(12.0), (4, 3))
-        out = _parallel.map_rows(strict, lambda r: x[r[0]:r[1], :], [(0, 1), (1, 4)])
+        out = _parallel.map_rows(strict, lambda r, out: x[r[0]:r[1], :], [(0, 1), (1, 4)],
+                                 shape=(4, 3), dtype=strict.float64)
         assert type(out) is type(x) and strict.all(out == x)
+
+
+class TestScratch:
+    def test_none_outside_a_map_and_for_other_libraries(self):
+        assert _parallel.scratch(xp, (3, 4), np.float32, "a") is None
+        strict = pytest.importorskip("array_api_strict")
+        assert _parallel.parallel_map(
+            strict, lambda i: _parallel.scratch(strict, (2,), strict.float32, "a"),
+            range(2)) == [None, None]
+
+    @pytest.mark.parametrize("threads", ["1", "2"])
+    def test_reused_within_a_thread_and_call(self, monkeypatch, threads):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", threads)
+        seen = []
+
+        def item(i):
+            buf = _parallel.scratch(xp, (4, 5), np.float32, "a")
+            seen.append((threading.get_ident(), buf.__array_interface__["data"][0]))
+            other = _parallel.scratch(xp, (4, 5), np.float32, "b")
+            assert not np.shares_memory(buf, other)
+            return buf.shape
+
+        assert _parallel.parallel_map(xp, item, range(6)) == [(4, 5)] * 6
+        by_thread = {}
+        for ident, address in seen:
+            by_thread.setdefault(ident, set()).add(address)
+        assert all(len(a) == 1 for a in by_thread.values())  # one buffer per thread
+        # gone with its call: outside a call there is no buffer
+        assert _parallel.scratch(xp, (1,), np.float32, "a") is None
+
+    def test_smaller_request_reuses_larger_grows(self, monkeypatch):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "1")
+
+        def run(_):
+            address = lambda b: b.__array_interface__["data"][0]  # noqa: E731
+            big = address(_parallel.scratch(xp, (4, 5), np.float32, "a"))
+            small = _parallel.scratch(xp, (3, 2), np.float32, "a")
+            assert small.shape == (3, 2) and address(small) == big
+            assert _parallel.scratch(xp, (4, 5), np.float64, "a").dtype == np.float64
+            return _parallel.scratch(xp, (9, 9), np.float64, "a").shape
+
+        assert _parallel.parallel_map(xp, run, [0]) == [(9, 9)]
+
+    def test_nested_call_does_not_share_its_callers_buffers(self, monkeypatch):
+        force_threaded(monkeypatch)
+
+        def inner(i):
+            return _parallel.scratch(xp, (8,), np.float64, "a")
+
+        def outer(i):
+            mine = _parallel.scratch(xp, (8,), np.float64, "a")
+            mine[...] = i
+            nested = _parallel.parallel_map(xp, inner, range(2))
+            assert not any(np.shares_memory(mine, b) for b in nested)
+            assert (mine == i).all()
+            # the caller's buffers are back after the nested call
+            assert _parallel.scratch(xp, (8,), np.float64, "a") is not None
+            return np.shares_memory(mine, _parallel.scratch(xp, (8,), np.float64, "a"))
+
+        assert all(_parallel.parallel_map(xp, outer, range(4)))
+
+    def test_matmul_into(self, monkeypatch):
+        force_threaded(monkeypatch)
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal((3, 5, 4)), rng.standard_normal((4, 6))
+        np.testing.assert_allclose(_parallel.matmul_into(xp, a, b), a @ b)
+        out = np.empty((3, 5, 6))
+        assert _parallel.matmul_into(xp, a, b, out) is out
+        np.testing.assert_allclose(out, a @ b)
+        res = _parallel.parallel_map(
+            xp, lambda i: _parallel.matmul_into(xp, a, b, "prod").copy(), range(2))
+        for r in res:
+            np.testing.assert_allclose(r, a @ b)
+        # outside a map, a named buffer falls back to a fresh array
+        np.testing.assert_allclose(_parallel.matmul_into(xp, a, b, "prod"), a @ b)
+
+
+class TestReduceAxis:
+    @pytest.mark.parametrize("rows", [1, 3, 64, 96, 97, 4096])
+    def test_matches_plain_reduction(self, rows):
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((2, rows, 64)).astype(np.float32)
+        np.testing.assert_array_equal(_parallel.reduce_axis(xp, xp.max, x, -2),
+                                      np.max(x, axis=-2, keepdims=True))
+        got = _parallel.reduce_axis(xp, xp.sum, x, 1)
+        assert got.shape == (2, 1, 64)
+        # a sum in another order: within the summation bound rows * eps * sum|x|
+        bound = rows * np.finfo(np.float32).eps * np.abs(x).sum(axis=-2, keepdims=True)
+        assert (np.abs(got - x.astype(np.float64).sum(axis=-2, keepdims=True))
+                <= bound).all()
+
+    def test_strided_and_other_axes_fall_back(self):
+        x = np.arange(2 * 64 * 8.0).reshape(2, 64, 8)
+        for view, axis in ((x[:, :, ::2], -2), (x, -1), (x, 0), (np.swapaxes(x, 1, 2), -2)):
+            np.testing.assert_array_equal(_parallel.reduce_axis(xp, xp.max, view, axis),
+                                          np.max(view, axis=axis, keepdims=True))
+
+    def test_rows_slice_of_a_larger_array(self):
+        x = np.arange(3 * 256 * 64.0).reshape(3, 256, 64)[:, 16:208, :]
+        np.testing.assert_array_equal(_parallel.reduce_axis(xp, xp.sum, x, -2),
+                                      np.sum(x, axis=-2, keepdims=True))
 
 
 class TestInPlaceHelpers:
@@ -146,6 +269,12 @@ class TestInPlaceHelpers:
         mask = np.array([[False, True], [True, False]])
         np.testing.assert_array_equal(_parallel.zero_where_(xp, a, mask),
                                       [[1.0, 0.0], [0.0, 2.0]])
+
+    def test_fill_where(self):
+        a = np.array([[1.0, np.nan], [3.0, 2.0]])
+        mask = np.array([[False, True]])
+        np.testing.assert_array_equal(_parallel.fill_where_(xp, a, mask, -np.inf),
+                                      [[1.0, -np.inf], [3.0, -np.inf]])
 
     def test_exp_shifted(self):
         a = np.array([[1.0, 2.0]])
@@ -191,7 +320,8 @@ def test_split_equals_whole(monkeypatch, rng, name, options, exact):
     force_threaded(monkeypatch)
     threaded = []
     as_worker = _parallel._as_worker
-    monkeypatch.setattr(_parallel, "_as_worker", lambda fn: threaded.append(1) or as_worker(fn))
+    monkeypatch.setattr(_parallel, "_as_worker",
+                        lambda *a: threaded.append(1) or as_worker(*a))
     split = var(q, k, v, **opts)
     assert threaded, "the split, threaded path was not taken"
     if exact:
