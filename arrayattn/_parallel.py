@@ -199,7 +199,7 @@ def matmul_into(xp, a, b, out=None):
     fresh result), or into the :func:`scratch` buffer named ``out`` when it is a string;
     a fresh array when neither is available."""
     if isinstance(out, str):
-        shape = (*_broadcast(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+        shape = (*broadcast_shape(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
         out = scratch(xp, shape, a.dtype, out)
     if out is None:
         return a @ b
@@ -207,7 +207,8 @@ def matmul_into(xp, a, b, out=None):
     return np.matmul(a, b, out=out)
 
 
-def _broadcast(s1, s2) -> tuple:
+def broadcast_shape(s1, s2) -> tuple:
+    """The broadcast of two shapes (shapes only: no arrays of any library)."""
     import numpy as np
     return tuple(np.broadcast_shapes(tuple(s1), tuple(s2)))
 
@@ -280,7 +281,12 @@ def fill_where_(xp, a, mask, value: float):
     NumPy and CuPy; ``mask`` broadcasts against ``a``)."""
     if array_api_compat.is_numpy_namespace(xp):
         import numpy as np
-        np.copyto(a, value, where=mask)
+        if mask.ndim == a.ndim and mask.shape[-1] == 1 < a.shape[-1]:
+            # Whole rows: indexing by the row mask touches only the masked rows (7x
+            # faster than copyto, which tests every element, at 10% masked).
+            a[np.broadcast_to(mask[..., 0], a.shape[:-1])] = value
+        else:
+            np.copyto(a, value, where=mask)
         return a
     if array_api_compat.is_cupy_namespace(xp):  # pragma: no cover - needs a GPU
         import cupy

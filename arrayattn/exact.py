@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import operator
 
+import array_api_compat
+
 from ._validate import (Problem, check_key_mask, check_mask, check_positive_int,
                         check_qkv, check_scale)
 from ._parallel import exp_shifted_, fill_where_, map_rows, matmul_into, reduce_axis, update_
@@ -59,6 +61,39 @@ def _shifted_exp(xp, scores, allowed, axis: int = -1, consume: bool = False):
         m = xp.where(m == -xp.inf, 0.0, m)
     p = exp_shifted_(xp, scores, m) if consume else xp.exp(scores - m)
     return p, reduce_axis(xp, xp.sum, p, axis), m
+
+
+def unshifted_first(xp) -> bool:
+    """Whether to try ``exp`` without a stabilising shift first (NumPy only).
+
+    The max and the subtraction of a stabilised softmax are two of its five passes over
+    the scores.  For the logits of real inputs (``|logit|`` in the tens) ``exp`` needs no
+    shift, but only the sums can tell, and reading them on the host is free on NumPy
+    alone (a device sync elsewhere); see :func:`unshifted_sums_ok`.
+    """
+    return array_api_compat.is_numpy_namespace(xp)
+
+
+def unshifted_quietly(xp):
+    """Context for an unshifted attempt: NumPy's overflow and invalid-value warnings
+    off, since :func:`unshifted_sums_ok` catches those cases and the caller redoes them
+    (NumPy's error state is per thread: enter it inside each worker)."""
+    import numpy as np
+    return np.errstate(over="ignore", under="ignore", invalid="ignore")
+
+
+def unshifted_sums_ok(xp, total) -> bool:
+    """Whether the sums ``total`` of unshifted ``exp(logits)`` say that no shift was needed.
+
+    Every sum must be finite (no ``exp`` overflowed) and at least ``sqrt(1 / max)`` of
+    the dtype (``e^-44`` in float32, ``e^-354`` in float64).  The terms that ``exp``
+    flushed to subnormals or zero are each below the smallest normal number (``e^-87``
+    in float32), so ``t`` of them are below ``t e^-43`` of the sum: less than one float32
+    rounding of it for any ``t`` up to ``10^11``.  Large sums lose nothing (floating
+    point is relative).  NaN fails.  False: redo with the max shift.
+    """
+    info = xp.finfo(total.dtype)
+    return bool(xp.min(total) >= info.max ** -0.5) and bool(xp.max(total) <= info.max)
 
 
 def masked_softmax(xp, scores, allowed=None, *, axis: int = -1, consume: bool = False):

@@ -16,15 +16,18 @@ official code divides q and k by :math:`d^{1/4}` each, which is the same thing).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 
 from ._validate import (check_choice, check_key_mask, check_no_causal, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale)
-from ._parallel import (blas_single, map_rows, matmul_into, parallel_map, reduce_axis,
-                        split_rows, update_)
+from ._parallel import (blas_single, broadcast_shape, exp_shifted_, fill_where_, map_rows,
+                        matmul_into, parallel_map, reduce_axis, scratch, split_rows,
+                        update_, zero_where_)
 from ._xp import compute_dtype, xp_device, xp_namespace
-from .exact import _shifted_exp, masked_softmax, merge_blocks
+from .exact import (_shifted_exp, masked_softmax, merge_blocks, unshifted_first,
+                    unshifted_quietly, unshifted_sums_ok)
 from .linalg import PINV_INITS, PINV_METHODS, _iterative_pinv, _svd_pinv
 from .registry import Variant, register
 
@@ -41,28 +44,49 @@ def segment_lengths(n: int, m: int) -> list[int]:
     return [base + 1] * extra + [base] * (m - extra)
 
 
-def _segment_sums(xp, x, m: int):
+def _segment_sums(xp, x, m: int, keep=None):
     """Sums of ``x (..., n, c)`` over the segments of :func:`segment_lengths`:
-    ``(..., m, c)``, by two reshapes (O(n c), no padding, no loop over tokens)."""
+    ``(..., m, c)``, by two reshapes (O(n c), no padding, no loop over tokens).
+
+    ``keep (..., n)``: only those tokens are summed (a masked token's value, even inf or
+    NaN, never enters); it is applied block by block, so no masked copy of ``x`` is made.
+    """
     n, c = x.shape[-2], x.shape[-1]
     base, extra = divmod(n, m)
     lead = tuple(x.shape[:-2])
+    if keep is not None:
+        lead = broadcast_shape(lead, keep.shape[:-1])
     cut = extra * (base + 1)
-    def sums(y, segments, length):
+
+    def sums(y, kp, segments, length):
         # Whole segments per block (in parallel threads on NumPy).
-        y = xp.reshape(y, (*lead, segments, length, c))
+        y = xp.reshape(y, (*y.shape[:-2], segments, length, c))
+        if kp is not None:
+            kp = xp.reshape(kp, (*kp.shape[:-1], segments, length, 1))
         blocks = split_rows(xp, segments, row_bytes=4 * math.prod(lead) * length * c)
+
         def block(r, out):
-            return reduce_axis(xp, xp.sum, y[..., r[0]:r[1], :, :], axis=-2)[..., 0, :]
+            yb = y[..., r[0]:r[1], :, :]
+            if kp is not None:
+                drop = ~kp[..., r[0]:r[1], :, :]
+                buf = scratch(xp, (*lead, *yb.shape[-3:]), x.dtype, "masked")
+                if buf is None:
+                    yb = xp.where(drop, 0.0, yb)
+                else:  # NumPy: a reused buffer, masked rows zeroed by index
+                    buf[...] = yb
+                    yb = zero_where_(xp, buf, drop)
+            return reduce_axis(xp, xp.sum, yb, axis=-2)[..., 0, :]
 
         return map_rows(xp, block, blocks, shape=(*lead, segments, c), dtype=x.dtype,
                         blas=False)
 
     parts = []
     if extra:
-        parts.append(sums(x[..., :cut, :], extra, base + 1))
+        parts.append(sums(x[..., :cut, :], None if keep is None else keep[..., :cut],
+                          extra, base + 1))
     if extra < m:
-        parts.append(sums(x[..., cut:, :], m - extra, base))
+        parts.append(sums(x[..., cut:, :], None if keep is None else keep[..., cut:],
+                          m - extra, base))
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
 
 
@@ -77,9 +101,8 @@ def _segment_means(xp, x, m: int, mask):
         lengths = xp.asarray(segment_lengths(x.shape[-2], m), dtype=x.dtype,
                              device=xp_device(x))
         return _segment_sums(xp, x, m) / lengths[:, None], None
-    keep = mask[..., None]
-    sums = _segment_sums(xp, xp.where(keep, x, 0.0), m)
-    counts = _segment_sums(xp, xp.astype(keep, x.dtype), m)
+    sums = _segment_sums(xp, x, m, keep=mask)
+    counts = _segment_sums(xp, xp.astype(mask[..., None], x.dtype), m)
     means = sums / xp.where(counts > 0, counts, 1.0)
     return means, counts[..., 0]
 
@@ -199,18 +222,13 @@ def _landmarks(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, varian
     kt, kcount = _segment_means(xp, wk, m, key_mask)
     qvalid = None if qcount is None else qcount > 0
     kvalid = None if kcount is None else kcount > 0
-    allowed = None
-    if key_mask is not None:
-        allowed = xp.expand_dims(key_mask, axis=-2)
-    if qvalid is not None:
-        rows = qvalid[..., None]
-        allowed = rows if allowed is None else (rows & allowed)
-    bv = _landmark_values(p, qt, wk, wv, allowed)
+    bv = _landmark_values(p, qt, wk, wv, key_mask, qvalid)
     return wq, wv, qt, kt, kt * scale, qvalid, kvalid, bv
 
 
-def _landmark_values(p, qt, wk, wv, allowed):
-    """``softmax(q̃ k^T) v`` ``(..., m, dv)`` over the ``allowed`` keys, by blocks of keys.
+def _landmark_values(p, qt, wk, wv, key_mask, qvalid):
+    """``softmax(q̃ k^T) v`` ``(..., m, dv)`` over the keys of ``key_mask (..., s)``, by
+    blocks of keys; the rows of the landmarks that ``qvalid (..., m)`` marks empty are 0.
 
     The ``m x s`` scores are made transposed, ``k q̃^T`` (a tall, thin matmul, which BLAS
     runs far faster than the short, wide ``q̃ k^T``), block by block over the keys (in
@@ -218,15 +236,28 @@ def _landmark_values(p, qt, wk, wv, allowed):
     own column max ``c_b`` and the blocks are merged as the online softmax does:
     ``sum_b e^{c_b - c} E_b^T V_b / sum_b e^{c_b - c} l_b`` with ``c = max_b c_b``, the
     result of one softmax over all keys, to rounding.  A landmark with no allowed key
-    gets a zero row.
+    gets a zero row.  NumPy first tries no shift at all (``c_b = 0``, a plain sum of the
+    blocks; :func:`~arrayattn.exact.unshifted_first`).
     """
     xp = p.xp
-    allowed_t = None if allowed is None else xp.matrix_transpose(allowed)
+    allowed_t = None
+    if key_mask is not None:
+        allowed_t = key_mask[..., None]                                 # (..., s, 1)
+    if qvalid is not None:
+        cols = qvalid[..., None, :]                                     # (..., 1, m)
+        allowed_t = cols if allowed_t is None else (allowed_t & cols)
     multi = allowed_t is not None and allowed_t.shape[-2] != 1
 
-    def key_block(rows):
+    def key_block(rows, shifted=True):
         j0, j1 = rows
         st = matmul_into(xp, wk[..., j0:j1, :], xp.matrix_transpose(qt), "scores")  # (b, m)
+        if not shifted:
+            with unshifted_quietly(xp):
+                if key_mask is not None:
+                    st = fill_where_(xp, st, ~key_mask[..., j0:j1, None], -xp.inf)
+                e = exp_shifted_(xp, st)
+                return (xp.matrix_transpose(e) @ wv[..., j0:j1, :],
+                        reduce_axis(xp, xp.sum, e, -2))
         e, total, c = _shifted_exp(xp, st, allowed_t[..., j0:j1, :] if multi else allowed_t,
                                    axis=-2, consume=True)
         # The true block max: -inf where the block has no allowed key for a landmark.
@@ -234,6 +265,19 @@ def _landmark_values(p, qt, wk, wv, allowed):
         return xp.matrix_transpose(e) @ wv[..., j0:j1, :], total, c
 
     blocks = split_rows(xp, p.s, row_bytes=4 * math.prod(p.batch) * qt.shape[-2])
+    if unshifted_first(xp):
+        # An empty query landmark (a zero row of qt: finite logits) is computed with
+        # the others and its row dropped afterwards.
+        parts = parallel_map(xp, lambda rows: key_block(rows, shifted=False), blocks)
+        num = functools.reduce(operator.add, [nb for nb, _ in parts])
+        total = functools.reduce(operator.add, [lb for _, lb in parts])      # (..., 1, m)
+        if qvalid is not None:
+            total = xp.where(qvalid[..., None, :], total, 1.0)
+            num = xp.where(qvalid[..., None], num, 0.0)
+        with unshifted_quietly(xp):
+            ok = unshifted_sums_ok(xp, total) and bool(xp.all(xp.isfinite(num)))
+        if ok:
+            return num / xp.matrix_transpose(total)
     parts = parallel_map(xp, key_block, blocks)
     shifts = [c for _, _, c in parts]                                  # (..., 1, m) each
     num = merge_blocks(xp, [nb for nb, _, _ in parts],
@@ -247,10 +291,14 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
     blocks of query rows (in parallel threads and cache-sized blocks on NumPy): a block's
     scores are made, exponentiated and used in place, never held whole.
 
-    The scores are made transposed, ``(m, rows)``: the max and sum over the ``m``
-    landmarks are then reductions across rows, which NumPy vectorises (over a short last
-    axis it runs a loop per row, ~3x slower), and ``P^T`` enters the last matmul as a
-    transposed operand at no cost.
+    Stabilised, the scores are made transposed, ``(m, rows)``: the max and sum over the
+    ``m`` landmarks are then reductions across rows, which NumPy vectorises (over a short
+    last axis it runs a loop per row, ~3x slower), and ``P^T`` enters the last matmul as
+    a transposed operand at no cost.  NumPy first tries no shift
+    (:func:`~arrayattn.exact.unshifted_first`): then nothing is reduced along the
+    landmarks but the sum, which a matmul with a column of ones does, so the scores are
+    made ``(rows, m)``, the layout BLAS runs ~1.8x faster here; a block whose sums say a
+    shift was needed is redone stabilised.
     """
     xp = p.xp
     allowed = None if kcols is None else xp.matrix_transpose(kcols)    # (..., m, 1)
@@ -268,8 +316,26 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
         return update_(xp, matmul_into(xp, xp.matrix_transpose(e), lv, out),
                        operator.truediv, xp.matrix_transpose(total))
 
+    # The sum over the valid landmarks is a matmul with their indicator; the invalid
+    # ones (zero rows of kts: finite logits) get zero rows of lv.
+    if kcols is None:
+        ones, lv0 = xp.ones((kts.shape[-2], 1), dtype=kts.dtype, device=xp_device(kts)), lv
+    else:
+        ones, lv0 = xp.astype(allowed, kts.dtype), xp.where(allowed, lv, 0.0)
+
+    def unshifted(rows, out):
+        with unshifted_quietly(xp):
+            e = exp_shifted_(xp, matmul_into(xp, wq[..., rows[0]:rows[1], :],
+                                             xp.matrix_transpose(kts), "scores"))  # (rows, m)
+            total = matmul_into(xp, e, ones, "total")                   # (..., rows, 1)
+            ok = unshifted_sums_ok(xp, total)
+        if not ok:
+            return stabilised(rows, out)
+        return update_(xp, matmul_into(xp, e, lv0, out), operator.truediv, total)
+
     blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
-    return map_rows(xp, stabilised, blocks, shape=(*p.batch, p.n, lv.shape[-1]),
+    block = unshifted if unshifted_first(xp) else stabilised
+    return map_rows(xp, block, blocks, shape=(*p.batch, p.n, lv.shape[-1]),
                     dtype=p.work_dtype)
 
 

@@ -320,6 +320,79 @@ class TestNystromAttention:
         np.testing.assert_allclose(b.to_numpy(out).astype(float), ref, rtol=0, atol=4e-3)
 
 
+class TestUnshiftedExp:
+    """NumPy's first attempt without a softmax shift (both passes), and its redo."""
+
+    @pytest.fixture
+    def verdicts(self, monkeypatch):
+        from arrayattn import nystrom
+        seen = []
+        check = nystrom.unshifted_sums_ok
+        monkeypatch.setattr(nystrom, "unshifted_sums_ok",
+                            lambda xp, total: seen.append(check(xp, total)) or seen[-1])
+        return seen
+
+    @pytest.mark.parametrize("pinv", ["svd", "iterative"])
+    def test_taken_on_real_logits(self, np_backend, rng, verdicts, pinv):
+        # Sharp float32 inputs (norm 8 at d = 32) take it, and match the oracle to the
+        # derived tolerance.
+        q, k, v = make_qkv(rng, batch=(2, 3), n=40, s=36, d=32, dv=5, norm=8.0, sharp=True)
+        _check_against_oracle(np_backend, "float32", q, k, v, 6, pinv=pinv)
+        assert len(verdicts) >= 2 and all(verdicts)  # the key pass and the query blocks
+
+    def test_taken_with_masks_and_empty_landmarks(self, np_backend, rng, verdicts):
+        # Key and query padding masks with whole empty segments (their landmarks are
+        # dropped): still the unshifted path, still the oracle.
+        q, k, v = make_qkv(rng, batch=(2, 3), n=40, s=36, d=32, dv=5, norm=8.0, sharp=True)
+        km = rng.random((2, 3, 36)) < 0.7
+        km[..., 6:12] = False
+        qm = rng.random((2, 1, 40)) < 0.8
+        qm[..., :7] = False
+        _check_against_oracle(np_backend, "float32", q, k, v, 6, pinv="svd", key_mask=km,
+                              query_mask=qm)
+        assert len(verdicts) >= 2 and all(verdicts)
+
+    def test_all_keys_masked_is_redone(self, np_backend, rng, verdicts):
+        q, k, v = make_qkv(rng, batch=(2,), n=12, s=12, d=8, dv=3)
+        km = np.ones((2, 12), bool)
+        km[1] = False
+        out = nystrom_attention(q, k, v, num_landmarks=3, key_mask=km)
+        assert False in verdicts
+        assert np.isfinite(out).all() and (out[1] == 0).all()
+
+    @pytest.mark.parametrize("pinv", ["svd", "iterative"])
+    def test_redone_stabilised_on_extreme_logits(self, np_backend, rng, monkeypatch,
+                                                 verdicts, pinv):
+        # Logits in the thousands overflow exp: both passes are redone with the max
+        # shift, and the result is the stabilised path's, bit for bit.
+        from arrayattn import nystrom
+        q, k, v = make_qkv(rng, batch=(2, 3), n=40, s=36, d=32, dv=5, norm=8.0, sharp=True)
+        q, k, v = (x.astype(np.float32) for x in (q * 250.0, k, v))
+        out = nystrom_attention(q, k, v, num_landmarks=6, pinv=pinv)
+        assert verdicts and not any(verdicts)
+        monkeypatch.setattr(nystrom, "unshifted_first", lambda xp: False)
+        np.testing.assert_array_equal(out, nystrom_attention(q, k, v, num_landmarks=6,
+                                                             pinv=pinv))
+
+    def test_underflowing_rows_are_redone(self, np_backend, rng, verdicts):
+        # Every logit of a query near -60 (e^-60 underflows float32 sums below e^-44):
+        # the unshifted sums are refused and the stabilised result is the oracle's.
+        q, k, v = make_qkv(rng, batch=(2,), n=24, s=24, d=4, dv=3)
+        k = np.abs(k) + 1.0
+        q = -np.abs(q) * 60.0 / np.abs(q).sum(-1, keepdims=True)
+        _check_against_oracle(np_backend, "float32", q, k, v, 4, pinv="svd", scale=1.0)
+        assert False in verdicts
+
+    def test_landmark_attention_too(self, np_backend, rng, verdicts):
+        q, k, v = make_qkv(rng, batch=(2,), n=30, s=30, d=32, dv=4, norm=8.0, sharp=True)
+        q32, k32, v32 = (round_to(x, "float32") for x in (q, k, v))
+        out = landmark_attention(*_on(np_backend, "float32", q32, k32, v32), num_landmarks=5)
+        ref = O.landmark_attention(q32, k32, v32, 5)
+        xp_assert_close(out, np_backend.asarray(ref, "float32"), rtol=0,
+                        atol=4 * attention_atol("float32", q32, k32, v32))
+        assert verdicts and all(verdicts)
+
+
 class TestLandmarkAttention:
     @pytest.mark.parametrize("dtype", ["float32", "float64"])
     def test_matches_oracle_and_rows_sum_to_one(self, backend, rng, dtype):

@@ -276,6 +276,17 @@ class TestInPlaceHelpers:
         np.testing.assert_array_equal(_parallel.fill_where_(xp, a, mask, -np.inf),
                                       [[1.0, -np.inf], [3.0, -np.inf]])
 
+    def test_fill_where_whole_rows(self):
+        a = np.arange(24.0).reshape(2, 3, 4)
+        rows = np.array([[True], [False], [True]])                 # broadcasts over batch
+        expect = np.where(rows, -np.inf, a)
+        np.testing.assert_array_equal(_parallel.fill_where_(xp, a, rows[None], -np.inf),
+                                      expect)
+        b = np.arange(6.0).reshape(2, 3, 1)                         # one column: no row path
+        np.testing.assert_array_equal(
+            _parallel.fill_where_(xp, b, np.array([True, False, True])[:, None], 0.0),
+            np.where(np.array([True, False, True])[:, None], 0.0, b))
+
     def test_exp_shifted(self):
         a = np.array([[1.0, 2.0]])
         np.testing.assert_allclose(_parallel.exp_shifted_(xp, a.copy(), 2.0),
