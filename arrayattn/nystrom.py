@@ -44,50 +44,59 @@ def segment_lengths(n: int, m: int) -> list[int]:
     return [base + 1] * extra + [base] * (m - extra)
 
 
+def _segment_start(n: int, m: int, g: int) -> int:
+    """Index of the first token of segment ``g`` (``g = m``: ``n``)."""
+    base, extra = divmod(n, m)
+    return g * (base + 1) if g <= extra else extra * (base + 1) + (g - extra) * base
+
+
+def _segment_blocks(xp, n: int, m: int, *, token_bytes: int) -> list[tuple[int, int]]:
+    """Ranges ``(g0, g1)`` of whole segments covering all ``m``, for
+    :func:`~arrayattn._parallel.split_rows` blocks of ``token_bytes`` per token; a block
+    never mixes the longer and the shorter segments, so its tokens reshape to
+    ``(g1 - g0, length, c)``."""
+    base, extra = divmod(n, m)
+    blocks = []
+    for first, count, length in ((0, extra, base + 1), (extra, m - extra, base)):
+        if count:
+            blocks += [(first + a, first + b) for a, b in
+                       split_rows(xp, count, row_bytes=token_bytes * length)]
+    return blocks
+
+
+def _block_segment_sums(xp, x, keep, n: int, m: int, segments, lead):
+    """Sums ``(..., g1 - g0, c)`` of the tokens of ``x (..., n, c)`` in the ``segments``
+    ``(g0, g1)`` of one :func:`_segment_blocks` block; with ``keep (..., n)`` only those
+    tokens (a masked token's value, even inf or NaN, never enters)."""
+    g0, g1 = segments
+    t0, t1 = _segment_start(n, m, g0), _segment_start(n, m, g1)
+    xb = xp.reshape(x[..., t0:t1, :], (*x.shape[:-2], g1 - g0, -1, x.shape[-1]))
+    if keep is not None:
+        drop = xp.reshape(~keep[..., t0:t1], (*keep.shape[:-1], g1 - g0, -1, 1))
+        buf = scratch(xp, (*lead, *xb.shape[-3:]), x.dtype, "masked")
+        if buf is None:
+            xb = xp.where(drop, 0.0, xb)
+        else:  # NumPy: a reused buffer, masked rows zeroed by index
+            buf[...] = xb
+            xb = zero_where_(xp, buf, drop)
+    return reduce_axis(xp, xp.sum, xb, axis=-2)[..., 0, :]
+
+
 def _segment_sums(xp, x, m: int, keep=None):
     """Sums of ``x (..., n, c)`` over the segments of :func:`segment_lengths`:
-    ``(..., m, c)``, by two reshapes (O(n c), no padding, no loop over tokens).
+    ``(..., m, c)``, by reshapes of blocks of whole segments (in parallel threads on
+    NumPy; O(n c), no padding, no loop over tokens).
 
-    ``keep (..., n)``: only those tokens are summed (a masked token's value, even inf or
-    NaN, never enters); it is applied block by block, so no masked copy of ``x`` is made.
+    ``keep (..., n)``: only those tokens are summed, masked block by block, so no masked
+    copy of ``x`` is made.
     """
     n, c = x.shape[-2], x.shape[-1]
-    base, extra = divmod(n, m)
     lead = tuple(x.shape[:-2])
     if keep is not None:
         lead = broadcast_shape(lead, keep.shape[:-1])
-    cut = extra * (base + 1)
-
-    def sums(y, kp, segments, length):
-        # Whole segments per block (in parallel threads on NumPy).
-        y = xp.reshape(y, (*y.shape[:-2], segments, length, c))
-        if kp is not None:
-            kp = xp.reshape(kp, (*kp.shape[:-1], segments, length, 1))
-        blocks = split_rows(xp, segments, row_bytes=4 * math.prod(lead) * length * c)
-
-        def block(r, out):
-            yb = y[..., r[0]:r[1], :, :]
-            if kp is not None:
-                drop = ~kp[..., r[0]:r[1], :, :]
-                buf = scratch(xp, (*lead, *yb.shape[-3:]), x.dtype, "masked")
-                if buf is None:
-                    yb = xp.where(drop, 0.0, yb)
-                else:  # NumPy: a reused buffer, masked rows zeroed by index
-                    buf[...] = yb
-                    yb = zero_where_(xp, buf, drop)
-            return reduce_axis(xp, xp.sum, yb, axis=-2)[..., 0, :]
-
-        return map_rows(xp, block, blocks, shape=(*lead, segments, c), dtype=x.dtype,
-                        blas=False)
-
-    parts = []
-    if extra:
-        parts.append(sums(x[..., :cut, :], None if keep is None else keep[..., :cut],
-                          extra, base + 1))
-    if extra < m:
-        parts.append(sums(x[..., cut:, :], None if keep is None else keep[..., cut:],
-                          m - extra, base))
-    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
+    blocks = _segment_blocks(xp, n, m, token_bytes=4 * math.prod(lead) * c)
+    return map_rows(xp, lambda g, out: _block_segment_sums(xp, x, keep, n, m, g, lead),
+                    blocks, shape=(*lead, m, c), dtype=x.dtype, blas=False)
 
 
 def _segment_means(xp, x, m: int, mask):
@@ -97,14 +106,17 @@ def _segment_means(xp, x, m: int, mask):
     mask and the float number of real tokens per segment ``(..., m)`` with one; a
     segment with no real token has mean 0.
     """
+    return _means_of_sums(xp, _segment_sums(xp, x, m, keep=mask), x.shape[-2], mask)
+
+
+def _means_of_sums(xp, sums, n: int, mask):
+    """:func:`_segment_means` from the masked segment sums ``(..., m, c)`` of ``n`` tokens."""
+    m = sums.shape[-2]
     if mask is None:
-        lengths = xp.asarray(segment_lengths(x.shape[-2], m), dtype=x.dtype,
-                             device=xp_device(x))
-        return _segment_sums(xp, x, m) / lengths[:, None], None
-    sums = _segment_sums(xp, x, m, keep=mask)
-    counts = _segment_sums(xp, xp.astype(mask[..., None], x.dtype), m)
-    means = sums / xp.where(counts > 0, counts, 1.0)
-    return means, counts[..., 0]
+        lengths = xp.asarray(segment_lengths(n, m), dtype=sums.dtype, device=xp_device(sums))
+        return sums / lengths[:, None], None
+    counts = _segment_sums(xp, xp.astype(mask[..., None], sums.dtype), m)
+    return sums / xp.where(counts > 0, counts, 1.0), counts[..., 0]
 
 
 def segment_means(x, m, /, *, key_mask=None, return_counts=False):
@@ -219,16 +231,19 @@ def _landmarks(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, varian
     wv = xp.astype(v, p.work_dtype, copy=False)
     qt, qcount = _segment_means(xp, wq, m, query_mask)
     qt = qt * scale
-    kt, kcount = _segment_means(xp, wk, m, key_mask)
     qvalid = None if qcount is None else qcount > 0
+    # The key landmarks are summed in the same pass over the keys as bv.
+    bv, ksums = _landmark_values(p, qt, wk, wv, key_mask, qvalid)
+    kt, kcount = _means_of_sums(xp, ksums, p.s, key_mask)
     kvalid = None if kcount is None else kcount > 0
-    bv = _landmark_values(p, qt, wk, wv, key_mask, qvalid)
     return wq, wv, qt, kt, kt * scale, qvalid, kvalid, bv
 
 
 def _landmark_values(p, qt, wk, wv, key_mask, qvalid):
-    """``softmax(q̃ k^T) v`` ``(..., m, dv)`` over the keys of ``key_mask (..., s)``, by
-    blocks of keys; the rows of the landmarks that ``qvalid (..., m)`` marks empty are 0.
+    """``(softmax(q̃ k^T) v, key segment sums)``: ``(..., m, dv)`` over the keys of
+    ``key_mask (..., s)`` (the rows of the landmarks that ``qvalid (..., m)`` marks empty
+    are 0) and the masked segment sums of ``k`` ``(..., m, d)``, in one pass over blocks
+    of whole key segments.
 
     The ``m x s`` scores are made transposed, ``k q̃^T`` (a tall, thin matmul, which BLAS
     runs far faster than the short, wide ``q̃ k^T``), block by block over the keys (in
@@ -248,8 +263,15 @@ def _landmark_values(p, qt, wk, wv, key_mask, qvalid):
         allowed_t = cols if allowed_t is None else (allowed_t & cols)
     multi = allowed_t is not None and allowed_t.shape[-2] != 1
 
-    def key_block(rows, shifted=True):
-        j0, j1 = rows
+    m = qt.shape[-2]
+    lead = tuple(wk.shape[:-2]) if key_mask is None else broadcast_shape(
+        wk.shape[:-2], key_mask.shape[:-1])
+
+    def key_block(segments, shifted=True, sums=True):
+        # Whole key segments: the key landmarks' sums come from the same block of k.
+        ksum = _block_segment_sums(xp, wk, key_mask, p.s, m, segments, lead) if sums \
+            else None
+        j0, j1 = _segment_start(p.s, m, segments[0]), _segment_start(p.s, m, segments[1])
         st = matmul_into(xp, wk[..., j0:j1, :], xp.matrix_transpose(qt), "scores")  # (b, m)
         if not shifted:
             with unshifted_quietly(xp):
@@ -257,33 +279,37 @@ def _landmark_values(p, qt, wk, wv, key_mask, qvalid):
                     st = fill_where_(xp, st, ~key_mask[..., j0:j1, None], -xp.inf)
                 e = exp_shifted_(xp, st)
                 return (xp.matrix_transpose(e) @ wv[..., j0:j1, :],
-                        reduce_axis(xp, xp.sum, e, -2))
+                        reduce_axis(xp, xp.sum, e, -2), None, ksum)
         e, total, c = _shifted_exp(xp, st, allowed_t[..., j0:j1, :] if multi else allowed_t,
                                    axis=-2, consume=True)
         # The true block max: -inf where the block has no allowed key for a landmark.
         c = xp.where(total > 0, c, -xp.inf)
-        return xp.matrix_transpose(e) @ wv[..., j0:j1, :], total, c
+        return xp.matrix_transpose(e) @ wv[..., j0:j1, :], total, c, ksum
 
-    blocks = split_rows(xp, p.s, row_bytes=4 * math.prod(p.batch) * qt.shape[-2])
+    blocks = _segment_blocks(xp, p.s, m, token_bytes=4 * math.prod(p.batch) * m)
+    ksums = None
     if unshifted_first(xp):
         # An empty query landmark (a zero row of qt: finite logits) is computed with
         # the others and its row dropped afterwards.
-        parts = parallel_map(xp, lambda rows: key_block(rows, shifted=False), blocks)
-        num = functools.reduce(operator.add, [nb for nb, _ in parts])
-        total = functools.reduce(operator.add, [lb for _, lb in parts])      # (..., 1, m)
+        parts = parallel_map(xp, lambda g: key_block(g, shifted=False), blocks)
+        ksums = xp.concat([part[3] for part in parts], axis=-2)
+        num = functools.reduce(operator.add, [part[0] for part in parts])
+        total = functools.reduce(operator.add, [part[1] for part in parts])  # (..., 1, m)
         if qvalid is not None:
             total = xp.where(qvalid[..., None, :], total, 1.0)
             num = xp.where(qvalid[..., None], num, 0.0)
         with unshifted_quietly(xp):
             ok = unshifted_sums_ok(xp, total) and bool(xp.all(xp.isfinite(num)))
         if ok:
-            return num / xp.matrix_transpose(total)
-    parts = parallel_map(xp, key_block, blocks)
-    shifts = [c for _, _, c in parts]                                  # (..., 1, m) each
-    num = merge_blocks(xp, [nb for nb, _, _ in parts],
+            return num / xp.matrix_transpose(total), ksums
+    parts = parallel_map(xp, lambda g: key_block(g, sums=ksums is None), blocks)
+    if ksums is None:
+        ksums = xp.concat([part[3] for part in parts], axis=-2)
+    shifts = [part[2] for part in parts]                               # (..., 1, m) each
+    num = merge_blocks(xp, [part[0] for part in parts],
                        [xp.matrix_transpose(c) for c in shifts])
-    total = xp.matrix_transpose(merge_blocks(xp, [lb for _, lb, _ in parts], shifts))
-    return num / xp.where(total > 0, total, 1.0)
+    total = xp.matrix_transpose(merge_blocks(xp, [part[1] for part in parts], shifts))
+    return num / xp.where(total > 0, total, 1.0), ksums
 
 
 def _attend_landmarks(p, wq, kts, lv, kcols):
