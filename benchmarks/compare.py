@@ -32,6 +32,8 @@ CASES = {
     "performer positive m=256, causal": "aa.performer_attention(q, k, v, causal=True)",
     "nystrom m=64, iterative pinv": "aa.nystrom_attention(q, k, v, num_landmarks=64)",
     "nystrom m=64, svd pinv": "aa.nystrom_attention(q, k, v, num_landmarks=64, pinv='svd')",
+    "nystrom m=64, iterative, 10% padding (key + query mask)":
+        "aa.nystrom_attention(q, k, v, num_landmarks=64, key_mask=pad, query_mask=pad)",
     "softmax blockwise (block 512), n/4 tokens":
         "aa.softmax_attention(q[..., :n4, :], k[..., :n4, :], v[..., :n4, :], block_size=512)",
 }
@@ -44,6 +46,7 @@ import arrayattn as aa
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((HEADS, N, 64), dtype=np.float32) for _ in range(3))
 n4 = max(1, N // 4)
+pad = rng.random((HEADS, N)) < 0.9
 out = {}
 for name, expr in CASES.items():
     f = eval("lambda: " + expr)

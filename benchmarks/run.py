@@ -33,7 +33,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time

@@ -20,7 +20,7 @@ from arrayattn import (LinearAttentionState, efficient_attention, feature_attent
 from arrayattn.feature_maps import FEATURE_MAPS
 from arrayattn.testing import xp_assert_close, xp_assert_equal
 
-from conftest import get_backend, make_qkv, skip_jax_compile
+from conftest import make_qkv, skip_jax_compile
 from oracle import allowed_matrix
 from tolerances import round_to, working_eps
 

@@ -116,6 +116,21 @@ class TestParallelMap:
         assert control[1]() == before
 
 
+def test_svd_pinv_split_equals_whole(monkeypatch, rng):
+    """Groups of whole matrices in threads: each SVD is the same call, bit for bit."""
+    a = rng.standard_normal((3, 4, 6, 5)).astype(np.float32)
+    monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "1")
+    whole = arrayattn.pinv(a, method="svd")
+    force_threaded(monkeypatch)
+    threaded = []
+    as_worker = _parallel._as_worker
+    monkeypatch.setattr(_parallel, "_as_worker",
+                        lambda *args: threaded.append(1) or as_worker(*args))
+    split = arrayattn.pinv(a, method="svd")
+    assert threaded and split.shape == (3, 4, 5, 6)
+    np.testing.assert_array_equal(split, whole)
+
+
 class TestMapRows:
     @pytest.mark.parametrize("threads", ["1", "2"])
     def test_rows_back_in_order(self, monkeypatch, threads):

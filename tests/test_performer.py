@@ -9,7 +9,7 @@ import pytest
 
 import arrayattn
 from arrayattn import RandomFeatures, attention_matrix, performer_attention
-from arrayattn.testing import xp_assert_close, xp_assert_equal, xp_assert_kind
+from arrayattn.testing import xp_assert_close, xp_assert_equal
 
 from conftest import make_qkv
 from oracle import allowed_matrix

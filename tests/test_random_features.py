@@ -13,7 +13,7 @@ import pytest
 from arrayattn import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
 from arrayattn.testing import xp_assert_close
 
-from conftest import get_backend, make_qkv
+from conftest import make_qkv
 
 KINDS = ["positive", "hyperbolic", "trig"]
 F64 = float(np.finfo(np.float64).eps)

@@ -14,7 +14,7 @@ import arrayattn
 from arrayattn import attention_matrix
 from arrayattn.testing import xp_assert_close, xp_assert_equal, xp_assert_kind
 
-from conftest import get_backend, make_qkv
+from conftest import make_qkv
 from oracle import softmax_attention as oracle
 
 RECORDS = arrayattn.variants()

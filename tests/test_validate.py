@@ -328,7 +328,7 @@ class TestPeerRandomMatrices:
         capsys.readouterr()
         assert main(["validate", bad, "--variant", variant]) == 1
         verdict = capsys.readouterr().out.strip().splitlines()[-1]
-        assert f"1 of 6 head(s)" in verdict and f"head {head}:" in verdict
+        assert "1 of 6 head(s)" in verdict and f"head {head}:" in verdict
 
     def test_performer_with_peer_omega(self, tmp_path, capsys, rng):
         """FAVOR+ positive features written from the paper in float32: phi(x) =
