@@ -97,3 +97,22 @@ def test_compare_before_after(tmp_path):
     data = json.loads((tmp_path / "compare.json").read_text())
     assert all(t > 0 for side in data["seconds"].values() for ts in side.values() for t in ts)
     assert worktrees() == before  # the temporary worktree of the old revision is gone
+
+
+def test_nystrom_peer_is_the_same_algorithm():
+    """The torch reference that bench_nystrom times is the Nyström of arrayattn with the
+    global pinv initialisation (float64: to rounding), so its time compares like with like."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    spec = importlib.util.spec_from_file_location(
+        "bench_nystrom", os.path.join(ROOT, "benchmarks", "bench_nystrom.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 48, 8)) for _ in range(3))
+    with torch.no_grad():
+        port = mod.torch_port(*(torch.from_numpy(x) for x in (q, k, v)), 6).numpy()
+    ours = arrayattn.nystrom_attention(q, k, v, num_landmarks=6, pinv_init="global")
+    np.testing.assert_allclose(port, ours, rtol=0, atol=1e-10 * np.abs(v).max())
+    assert not np.allclose(port, arrayattn.nystrom_attention(q, k, v, num_landmarks=6,
+                                                              pinv_iters=2), atol=1e-6)
