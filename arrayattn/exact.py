@@ -82,7 +82,7 @@ def unshifted_quietly(xp):
     return np.errstate(over="ignore", under="ignore", invalid="ignore")
 
 
-def unshifted_sums_ok(xp, total) -> bool:
+def unshifted_sums_ok(xp, total, weight: float = 1.0) -> bool:
     """Whether the sums ``total`` of unshifted ``exp(logits)`` say that no shift was needed.
 
     Every sum must be finite (no ``exp`` overflowed) and at least ``sqrt(1 / max)`` of
@@ -90,10 +90,13 @@ def unshifted_sums_ok(xp, total) -> bool:
     flushed to subnormals or zero are each below the smallest normal number (``e^-87``
     in float32), so ``t`` of them are below ``t e^-43`` of the sum: less than one float32
     rounding of it for any ``t`` up to ``10^11``.  Large sums lose nothing (floating
-    point is relative).  NaN fails.  False: redo with the max shift.
+    point is relative), but a product of the weights with values of size up to
+    ``weight`` must not overflow: ``max(total) * weight`` must stay finite too.  NaN
+    fails.  False: redo with the max shift.
     """
     info = xp.finfo(total.dtype)
-    return bool(xp.min(total) >= info.max ** -0.5) and bool(xp.max(total) <= info.max)
+    top = info.max / max(1.0, weight) if weight == weight else -info.max  # NaN: fail
+    return bool(xp.min(total) >= info.max ** -0.5) and bool(xp.max(total) <= top)
 
 
 def masked_softmax(xp, scores, allowed=None, *, axis: int = -1, consume: bool = False):

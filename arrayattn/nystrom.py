@@ -349,12 +349,15 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
     else:
         ones, lv0 = xp.astype(allowed, kts.dtype), xp.where(allowed, lv, 0.0)
 
+    # |e @ lv| <= total max|lv|: the sums' check keeps that finite (NumPy: host scalar).
+    lv_max = float(xp.max(xp.abs(lv0))) if unshifted_first(xp) else 0.0
+
     def unshifted(rows, out):
         with unshifted_quietly(xp):
             e = exp_shifted_(xp, matmul_into(xp, wq[..., rows[0]:rows[1], :],
                                              xp.matrix_transpose(kts), "scores"))  # (rows, m)
             total = matmul_into(xp, e, ones, "total")                   # (..., rows, 1)
-            ok = unshifted_sums_ok(xp, total)
+            ok = unshifted_sums_ok(xp, total, lv_max)
         if not ok:
             return stabilised(rows, out)
         return update_(xp, matmul_into(xp, e, lv0, out), operator.truediv, total)
