@@ -273,18 +273,19 @@ def _landmark_values(p, qt, wk, wv, key_mask, qvalid):
             else None
         j0, j1 = _segment_start(p.s, m, segments[0]), _segment_start(p.s, m, segments[1])
         st = matmul_into(xp, wk[..., j0:j1, :], xp.matrix_transpose(qt), "scores")  # (b, m)
-        if not shifted:
-            with unshifted_quietly(xp):
-                if key_mask is not None:
-                    st = fill_where_(xp, st, ~key_mask[..., j0:j1, None], -xp.inf)
-                e = exp_shifted_(xp, st)
-                return (xp.matrix_transpose(e) @ wv[..., j0:j1, :],
-                        reduce_axis(xp, xp.sum, e, -2), None, ksum)
-        e, total, c = _shifted_exp(xp, st, allowed_t[..., j0:j1, :] if multi else allowed_t,
-                                   axis=-2, consume=True)
-        # The true block max: -inf where the block has no allowed key for a landmark.
-        c = xp.where(total > 0, c, -xp.inf)
-        return xp.matrix_transpose(e) @ wv[..., j0:j1, :], total, c, ksum
+        if shifted:
+            e, total, c = _shifted_exp(
+                xp, st, allowed_t[..., j0:j1, :] if multi else allowed_t, axis=-2,
+                consume=True)
+            # The true block max: -inf where the block has no allowed key for a landmark.
+            return (xp.matrix_transpose(e) @ wv[..., j0:j1, :], total,
+                    xp.where(total > 0, c, -xp.inf), ksum)
+        with unshifted_quietly(xp):
+            if key_mask is not None:
+                st = fill_where_(xp, st, ~key_mask[..., j0:j1, None], -xp.inf)
+            e = exp_shifted_(xp, st)
+            return (xp.matrix_transpose(e) @ wv[..., j0:j1, :],
+                    reduce_axis(xp, xp.sum, e, -2), None, ksum)
 
     blocks = _segment_blocks(xp, p.s, m, token_bytes=4 * math.prod(p.batch) * m)
     ksums = None
@@ -342,15 +343,19 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
         return update_(xp, matmul_into(xp, xp.matrix_transpose(e), lv, out),
                        operator.truediv, xp.matrix_transpose(total))
 
+    blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
+    shape = (*p.batch, p.n, lv.shape[-1])
+    if not unshifted_first(xp):
+        return map_rows(xp, stabilised, blocks, shape=shape, dtype=p.work_dtype)
+
     # The sum over the valid landmarks is a matmul with their indicator; the invalid
     # ones (zero rows of kts: finite logits) get zero rows of lv.
     if kcols is None:
         ones, lv0 = xp.ones((kts.shape[-2], 1), dtype=kts.dtype, device=xp_device(kts)), lv
     else:
         ones, lv0 = xp.astype(allowed, kts.dtype), xp.where(allowed, lv, 0.0)
-
-    # |e @ lv| <= total max|lv|: the sums' check keeps that finite (NumPy: host scalar).
-    lv_max = float(xp.max(xp.abs(lv0))) if unshifted_first(xp) else 0.0
+    # |e @ lv| <= total max|lv|: the sums' check keeps that finite (a host scalar).
+    lv_max = float(xp.max(xp.abs(lv0)))
 
     def unshifted(rows, out):
         with unshifted_quietly(xp):
@@ -362,10 +367,7 @@ def _attend_landmarks(p, wq, kts, lv, kcols):
             return stabilised(rows, out)
         return update_(xp, matmul_into(xp, e, lv0, out), operator.truediv, total)
 
-    blocks = split_rows(xp, p.n, row_bytes=4 * math.prod(p.batch) * kts.shape[-2])
-    block = unshifted if unshifted_first(xp) else stabilised
-    return map_rows(xp, block, blocks, shape=(*p.batch, p.n, lv.shape[-1]),
-                    dtype=p.work_dtype)
+    return map_rows(xp, unshifted, blocks, shape=shape, dtype=p.work_dtype)
 
 
 def _conv_skip(p, v, key_mask, conv_kernel):
