@@ -5,6 +5,8 @@ PyTorch, JAX and array-api-strict arrays, returning an array of the caller's own
 library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
 from .registry import Variant, attention_matrix, get_variant, register, variants
+from ._engine import use_engine
+from . import reference
 # Import order is registration order: the report, the docs catalogue and the benchmarks
 # list the variants family by family.
 from .exact import softmax_attention
@@ -27,7 +29,8 @@ from .lsh import lsh_attention, lsh_buckets, lsh_rotations
 __version__ = "0.1.0"
 
 __all__ = [
-    "Variant", "attention_matrix", "get_variant", "register", "variants",
+    "Variant", "attention_matrix", "get_variant", "register", "variants", "use_engine",
+    "reference",
     "softmax_attention",
     "FeatureMap", "get_feature_map", "taylor_feature_map",
     "LinearAttentionState", "feature_attention", "feature_attention_step",

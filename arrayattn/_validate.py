@@ -14,8 +14,9 @@ import numpy as np
 
 from ._xp import compute_dtype, xp_device, xp_namespace
 
-__all__ = ["Problem", "check_qkv", "check_key_mask", "check_mask", "check_positive_int",
-           "check_scale", "check_choice", "check_no_causal", "check_same_array_kind"]
+__all__ = ["Problem", "check_array", "check_qkv", "check_key_mask", "check_mask",
+           "check_positive_int", "check_scale", "check_choice", "check_no_causal",
+           "check_same_array_kind", "check_flag", "check_seed"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class Problem:
     @property
     def out_shape(self) -> tuple:
         return (*self.batch, self.n, self.dv)
+
+    def zeros(self):
+        """The output of a call with no keys (``s = 0``): every query attends to nothing,
+        so it returns zeros (the empty-row convention)."""
+        return self.xp.zeros(self.out_shape, dtype=self.dtype, device=self.device)
 
 
 def _shape(x) -> tuple:
@@ -67,6 +73,25 @@ def check_same_array_kind(xp, ref_name: str, ref, name: str, x) -> None:
         raise ValueError(f"{name} is on device {dx} but {ref_name} is on device {dref}")
 
 
+def check_array(name: str, x, *, min_ndim: int = 0):
+    """``x`` must be an array of a supported library with at least ``min_ndim`` axes.
+
+    A Python list, ``None`` or a scalar gets a ``TypeError`` naming the argument (not an
+    ``AttributeError`` from deep inside), a too-small array a ``ValueError``.
+    """
+    try:
+        xp_namespace(x)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an array (NumPy, CuPy, PyTorch, JAX or another array API "
+            f"library); got {type(x).__module__}.{type(x).__qualname__}"
+        ) from None
+    if x.ndim < min_ndim:
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dimensions; got shape {_shape(x)}")
+    return x
+
+
 def check_qkv(q, k, v, *, names=("q", "k", "v"), same_dim=True) -> Problem:
     """Validate ``q (..., n, d)``, ``k (..., s, d)``, ``v (..., s, dv)`` and describe them.
 
@@ -74,6 +99,8 @@ def check_qkv(q, k, v, *, names=("q", "k", "v"), same_dim=True) -> Problem:
     another space).
     """
     nq, nk, nv = names
+    for name, x in zip(names, (q, k, v)):
+        check_array(name, x)
     xp = xp_namespace(q, k, v, names=names)
     for name, x in ((nq, q), (nk, k), (nv, v)):
         if x.ndim < 2:
@@ -166,8 +193,12 @@ def check_positive_int(name: str, value, *, allow_none: bool = False, minimum: i
 
 
 def check_scale(scale, d: int) -> float:
-    """``None`` -> ``1/sqrt(d)``; otherwise a finite real number."""
+    """``None`` -> ``1/sqrt(d)`` (``d >= 1``); otherwise a finite real number."""
     if scale is None:
+        if d < 1:
+            raise ValueError(
+                "scale=None means 1/sqrt(d), which needs d >= 1 features; got d = 0 "
+                "(pass scale= explicitly, or inputs with features)")
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None; got {scale!r}")
@@ -187,3 +218,26 @@ def check_no_causal(causal, variant: str, why: str) -> None:
     """Raise the explanatory ``ValueError`` of a variant that cannot be causal."""
     if causal:
         raise ValueError(f"{variant} cannot be causal: {why}")
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` must be a ``bool`` (or a NumPy bool): ``causal="False"`` is a string,
+    and a non-empty string is true -- a silent wrong answer."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False; got {value!r}")
+
+
+def check_seed(seed) -> int:
+    """The one rule for every random variant: ``seed`` is a non-negative integer.
+
+    Random matrices are drawn on the host with ``numpy.random.default_rng(seed)``, so the
+    same seed gives the same matrix on every backend.  ``None`` (fresh entropy, a
+    different result on every call) is refused: pass the matrix itself (``omega=``,
+    ``e=``/``f=``, ``rotations=`` ...) to use your own draw.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be a non-negative integer; got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be a non-negative integer; got {seed}")
+    return int(seed)

@@ -92,6 +92,15 @@ class Variant:
         opts = {**self.defaults, **options}
         return (self.call or self.fn)(q, k, v, **opts)
 
+    def reference(self, q, k, v, /, **options):
+        """Run the variant's reference form (:mod:`arrayattn.reference`) with its default
+        options overridden by ``options``: the same validation and dtype rules as the
+        uniform call, never an engine.  The engines are tested equal to it, and
+        :mod:`arrayattn.testing` validates other implementations against it."""
+        from ._engine import use_engine
+        with use_engine("reference"):
+            return self(q, k, v, **options)
+
     @property
     def parameter_value(self):
         """The default value of the approximation parameter (or ``None``)."""
@@ -135,6 +144,8 @@ def register(variant: Variant) -> Variant:
     ...
     ValueError: a variant named 'softmax' is already registered
     """
+    if not isinstance(variant, Variant):
+        raise TypeError(f"register takes a Variant record; got {type(variant).__name__}")
     if variant.name in _REGISTRY:
         raise ValueError(f"a variant named {variant.name!r} is already registered")
     _REGISTRY[variant.name] = variant

@@ -1,12 +1,15 @@
 """Shared test infrastructure: the backend fixture, hypothesis profiles, input makers.
 
-Every backend test runs on: numpy, read-only numpy (catches mutation of inputs),
+Every backend test runs on: numpy with the NumPy engine at every size, read-only numpy
+with the engine split over two threads into one row (or chunk) per block (catches
+mutation of inputs and block-boundary bugs), numpy with the reference forms,
 array-api-strict on its default device and on ``Device("device1")`` (catches arrays
 created without ``device=``), torch CPU, JAX CPU (catches in-place updates) and CuPy
 when a GPU is present.  A backend that is not installed is skipped with the reason.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from dataclasses import dataclass
@@ -114,6 +117,7 @@ def _cupy():
 _BACKENDS = {
     "numpy": (lambda: _numpy(False), "numpy"),
     "numpy_readonly": (lambda: _numpy(True), "numpy"),
+    "numpy_reference": (lambda: _numpy(False), "numpy"),
     "strict": (lambda: _strict(None), "array_api_strict"),
     "strict_device1": (lambda: _strict("device1"), "array_api_strict"),
     "torch": (_torch, "torch"),
@@ -151,22 +155,54 @@ def skip_jax_compile(backend, covered_by):
 BACKEND_NAMES = list(_BACKENDS)
 
 
-@pytest.fixture(params=BACKEND_NAMES)
-def backend(request, monkeypatch) -> Backend:
-    """Every backend in turn (skipped with the reason when not installed).
+#: How each NumPy backend runs: the engine whole, the engine split, the reference forms.
+IMPLEMENTATIONS = {"numpy": "engine", "numpy_readonly": "engine_split",
+                   "numpy_reference": "reference"}
 
-    ``numpy_readonly`` also forces the threaded, split-into-blocks path of
-    :mod:`arrayattn._parallel` on inputs of any size (2 threads, no size threshold, one
-    row or chunk per block), so every test runs NumPy both whole and split, and the split
-    path on read-only inputs.
-    """
-    if request.param == "numpy_readonly":
-        force_threaded(monkeypatch)
-    return get_backend(request.param)
+
+@contextlib.contextmanager
+def implementation(name: str):
+    """Run arrayattn's NumPy paths as ``name``: ``"engine"`` (the NumPy engine at any
+    size, one block), ``"engine_split"`` (the engine split over 2 threads, one row or
+    chunk per block) or ``"reference"`` (the reference forms)."""
+    from arrayattn import use_engine
+    from arrayattn._numpy.parallel import split_everything
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(use_engine("reference" if name == "reference" else "numpy"))
+        if name == "engine_split":
+            stack.enter_context(split_everything(2))
+        elif name == "engine":
+            stack.enter_context(one_block())
+        yield
+
+
+@contextlib.contextmanager
+def one_block():
+    """The engine with one block per problem (no thread split) however large."""
+    from arrayattn._numpy import parallel
+    token = parallel._split.set((1, 1 << 62, 1 << 62))
+    try:
+        yield
+    finally:
+        parallel._split.reset(token)
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def backend(request) -> Backend:
+    """Every backend in turn (skipped with the reason when not installed); the three
+    NumPy entries run the three implementations (:data:`IMPLEMENTATIONS`)."""
+    b = get_backend(request.param)
+    if request.param in IMPLEMENTATIONS:
+        with implementation(IMPLEMENTATIONS[request.param]):
+            yield b
+    else:
+        yield b
 
 
 def force_threaded(monkeypatch, threads: int = 2):
-    """Make :mod:`arrayattn._parallel` split every NumPy problem over ``threads``."""
+    """Make the old :mod:`arrayattn._parallel` split every NumPy problem over ``threads``
+    (kept while variants move to :mod:`arrayattn._numpy`)."""
     from arrayattn import _parallel
 
     monkeypatch.setenv("ARRAYATTN_NUM_THREADS", str(threads))

@@ -1,0 +1,61 @@
+"""The pieces every softmax-based reference form shares: masks and the masked softmax.
+
+Array API only; no host reads (everything traces under ``jax.jit``); no in-place updates.
+"""
+from __future__ import annotations
+
+from array_api_compat import array_namespace
+
+__all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys"]
+
+
+def causal_mask(xp, n: int, s: int, *, device, shift: int | None = None, row0: int = 0,
+                col0: int = 0):
+    """Boolean ``(n, s)``: query ``i`` sees key ``j <= i + (s - n)`` (end-aligned, as
+    FlashAttention-2).  ``row0``/``col0`` place the tile inside a larger problem whose
+    shift ``S - N`` is ``shift``."""
+    shift = s - n if shift is None else shift
+    rows = xp.arange(n, device=device)[:, None] + row0
+    cols = xp.arange(s, device=device)[None, :] + col0
+    return cols <= rows + shift
+
+
+def allowed_mask(xp, n: int, s: int, *, device, causal: bool = False, key_mask=None,
+                 mask=None):
+    """The AND of the causal pattern, ``key_mask (..., s)`` and ``mask (..., n, s)``
+    (``None`` when nothing is masked)."""
+    allowed = causal_mask(xp, n, s, device=device) if causal else None
+    for extra in (None if key_mask is None else key_mask[..., None, :], mask):
+        if extra is not None:
+            allowed = extra if allowed is None else (allowed & extra)
+    return allowed
+
+
+def masked_softmax(scores, allowed=None, *, axis: int = -1):
+    """``softmax(scores)`` along ``axis`` over the ``allowed`` entries, max-shifted.
+
+    A disallowed entry gets weight 0; a row with no allowed entry is all zeros (its max
+    is ``-inf``; it is shifted by 0 instead, which would otherwise give NaN).
+    """
+    xp = array_namespace(scores)
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -xp.inf)
+    m = xp.max(scores, axis=axis, keepdims=True)
+    m = xp.where(m == -xp.inf, 0.0, m)
+    p = xp.exp(scores - m)
+    total = xp.sum(p, axis=axis, keepdims=True)
+    return p / xp.where(total > 0, total, 1.0)
+
+
+def zero_masked_keys(key_mask, *arrays):
+    """Each ``x (..., s, c)`` of ``arrays`` with the rows of masked keys set to 0.
+
+    A masked key is in neither numerator nor denominator, so its row must not matter --
+    but ``0 * nan`` is NaN: padding from ``torch.empty`` can hold anything, so masked rows
+    are replaced (``where``), not multiplied away.
+    """
+    if key_mask is None:
+        return arrays if len(arrays) != 1 else arrays[0]
+    xp = array_namespace(*arrays)
+    out = tuple(xp.where(key_mask[..., None], x, 0.0) for x in arrays)
+    return out if len(out) != 1 else out[0]

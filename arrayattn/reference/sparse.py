@@ -1,0 +1,2 @@
+"""Reference forms: sparse (filled in by the reference-form redesign)."""
+__all__: list[str] = []
