@@ -88,9 +88,21 @@ class Variant:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
 
     def __call__(self, q, k, v, /, **options):
-        """Run the variant with its default options overridden by ``options``."""
+        """Run the variant with its default options overridden by ``options``.
+
+        Grouped-query heads are accepted: ``q`` with ``Hq`` heads (axis -3) and ``k``,
+        ``v`` with ``Hkv`` heads, ``Hq`` a multiple of ``Hkv`` (as SDPA's ``enable_gqa``;
+        see :mod:`arrayattn._heads`), without copying ``k`` and ``v``.
+        """
+        from ._heads import group_heads
+
         opts = {**self.defaults, **options}
-        return (self.call or self.fn)(q, k, v, **opts)
+        fn = self.call or self.fn
+        grouped = group_heads(q, k, v, opts) if hasattr(q, "shape") else None
+        if grouped is None:
+            return fn(q, k, v, **opts)
+        qg, kg, vg, opts, ungroup = grouped
+        return ungroup(fn(qg, kg, vg, **opts))
 
     def reference(self, q, k, v, /, **options):
         """Run the variant's reference form (:mod:`arrayattn.reference`) with its default
