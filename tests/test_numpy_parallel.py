@@ -1,0 +1,179 @@
+"""The NumPy engine's thread map (:mod:`arrayattn._numpy.parallel`), and the two
+process-level promises it carries: a call gives the same bits whatever other threads
+are doing, and a process that forks while another thread is inside a call has a
+working child."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import arrayattn
+from arrayattn._numpy import parallel
+
+from conftest import make_qkv
+
+
+class TestSplitRows:
+    @pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
+    @pytest.mark.parametrize("align", [1, 3, 64])
+    def test_covers_rows_aligned(self, n, align):
+        with parallel.split_everything(2):
+            blocks = parallel.split_rows(n, row_bytes=8, align=align)
+        assert blocks[0][0] == 0 and blocks[-1][1] == n
+        for (a0, a1), (b0, _) in zip(blocks, blocks[1:]):
+            assert a1 == b0 and a1 > a0 and a1 % align == 0
+        assert len(blocks) == -(-n // align)   # one row (or chunk) per block
+
+    def test_cache_sized_blocks(self, monkeypatch):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "2")
+        blocks = parallel.split_rows(16384, row_bytes=2048)
+        assert max(b - a for a, b in blocks) * 2048 <= parallel.BLOCK_BYTES
+        assert len(blocks) == 16384 * 2048 // parallel.BLOCK_BYTES
+
+    def test_small_work_one_block(self, monkeypatch):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "2")
+        assert parallel.split_rows(100, row_bytes=64) == [(0, 100)]
+
+    def test_bad_thread_count(self, monkeypatch):
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "zero")
+        with pytest.raises(ValueError, match="ARRAYATTN_NUM_THREADS"):
+            parallel.num_threads()
+
+
+class TestMaps:
+    def test_parallel_map_in_threads_and_nested_serial(self):
+        with parallel.split_everything(2):
+            names = parallel.parallel_map(
+                lambda i: threading.current_thread().name, range(4), blas=False)
+            assert all(n.startswith("arrayattn") for n in names)
+            inner = parallel.parallel_map(
+                lambda i: parallel.parallel_map(
+                    lambda j: threading.current_thread().name, range(2), blas=False),
+                range(2), blas=False)
+            assert all(len(set(x)) == 1 for x in inner)   # nested: serial in the worker
+
+    def test_map_rows_in_place(self):
+        x = np.arange(2 * 10 * 3.0).reshape(2, 10, 3)
+        with parallel.split_everything(2):
+            out = parallel.map_rows(lambda r, out: np.multiply(x[:, r[0]:r[1]], 3, out=out),
+                                    [(0, 4), (4, 10)], shape=x.shape, dtype=x.dtype)
+        np.testing.assert_array_equal(out, 3 * x)
+
+    def test_scratch_per_thread_and_fresh_outside(self):
+        assert parallel.scratch((2, 3), np.float32, "a").shape == (2, 3)
+
+        def item(i):
+            a = parallel.scratch((4, 5), np.float32, "a")
+            b = parallel.scratch((4, 5), np.float32, "b")
+            assert not np.shares_memory(a, b)
+            return threading.get_ident(), a.__array_interface__["data"][0]
+
+        with parallel.split_everything(2):
+            seen = parallel.parallel_map(item, range(6))
+        by_thread = {}
+        for ident, address in seen:
+            by_thread.setdefault(ident, set()).add(address)
+        assert all(len(a) == 1 for a in by_thread.values())
+
+    def test_blas_restored_after_error(self):
+        control = parallel._blas_control()
+        if not control:
+            pytest.skip("the BLAS thread count cannot be controlled here (not OpenBLAS)")
+        before = control[1]()
+
+        def boom(i):
+            raise RuntimeError("x")
+
+        with parallel.split_everything(2), pytest.raises(RuntimeError):
+            parallel.parallel_map(boom, range(2))
+        assert control[1]() == before
+
+    @pytest.mark.parametrize("reduce", [np.max, np.sum])
+    def test_reduce_rows(self, reduce, rng):
+        x = rng.standard_normal((3, 256, 64))
+        np.testing.assert_allclose(parallel.reduce_rows(reduce, x),
+                                   reduce(x, axis=-2, keepdims=True), rtol=1e-12)
+
+    def test_cumsum(self, rng):
+        x = rng.standard_normal((5, 4, 3))
+        np.testing.assert_allclose(parallel.cumsum_(x.copy(), axis=0), np.cumsum(x, axis=0))
+
+
+RECORDS = arrayattn.variants()
+
+
+@pytest.mark.parametrize("rec", RECORDS, ids=[r.name for r in RECORDS])
+def test_concurrent_calls_bit_identical(rec, rng):
+    """The same call from 4 Python threads at once gives the serial call's bits (the
+    engine split over threads, BLAS thread count changed inside its sections)."""
+    q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(2,), n=192, d=32,
+                                                      norm=6.0))
+    with parallel.split_everything(2), arrayattn.use_engine("numpy"):
+        serial = rec(q, k, v)
+    results, errors = [None] * 4, []
+
+    def worker(i):
+        try:
+            with parallel.split_everything(2), arrayattn.use_engine("numpy"):
+                for _ in range(3):
+                    results[i] = rec(q, k, v)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for out in results:
+        assert np.array_equal(out, serial, equal_nan=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+@pytest.mark.parametrize("name", ["softmax_blockwise", "nystrom_iterative", "linear_elu",
+                                  "performer_positive"])
+def test_fork_while_another_thread_is_inside_a_call(name, rng):
+    """A child forked while another thread runs arrayattn (the pool busy, the BLAS held
+    to one thread) finishes its own call within seconds."""
+    rec = arrayattn.get_variant(name)
+    q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(2,), n=1024, d=64))
+    stop = threading.Event()
+
+    def busy():
+        with parallel.split_everything(2), arrayattn.use_engine("numpy"):
+            while not stop.is_set():
+                rec(q, k, v)
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: one call, split over threads, then leave
+            try:
+                with parallel.split_everything(2), arrayattn.use_engine("numpy"):
+                    out = rec(q[:, :64], k[:, :64], v[:, :64])
+                os._exit(0 if np.isfinite(out).all() else 3)
+            except BaseException:  # pragma: no cover - the child reports by exit code
+                os._exit(4)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child of {name} hung (> 60 s)")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        stop.set()
+        thread.join()
