@@ -17,8 +17,9 @@ The same three softmaxes, computed for speed on CPU threads:
   rounding.  Stabilised, the query scores are made ``(m, rows)`` (max and sum across rows,
   which NumPy vectorises); unshifted, ``(rows, m)`` (the layout BLAS runs ~1.8x faster
   here; the sum is a matmul with a column of ones).
-* masked keys: their rows are zeroed in the block copies (a NaN in a padded key or
-  value never enters).
+* masked keys: their rows are zeroed in the block copies that the key sums make anyway,
+  and a block of values is copied and zeroed only when a masked row holds a NaN or inf
+  (a padded key or value never enters; the copy cost the padded case ~12 %).
 
 Measured (2 cores, n = 16384, 8 heads, d = 64, m = 64, float32): 55-60 ms; the
 unshifted passes save ~25 % of that, the transposed key scores ~2x on the key pass.
@@ -77,19 +78,33 @@ def _masked_rows(x, keep, t0, t1, slot):
     return _fill_rows(buf, drop, 0.0)
 
 
-def _block_sums(x, keep, m, segments):
-    """Masked sums ``(..., g1 - g0, c)`` of one block of whole segments of ``x``."""
+def _masked_values(v, keep, j0, j1):
+    """``v[..., j0:j1, :]`` for a product with weights that are exactly 0 at the masked
+    keys: ``0 x finite = 0``, so the rows need zeroing only when a masked one holds a
+    NaN or inf (checked on the masked rows alone, not a copy of the block)."""
+    rows = v[..., j0:j1, :]
+    if keep is None:
+        return rows
+    drop = ~keep[..., j0:j1]
+    if drop.shape == rows.shape[:-1] and np.isfinite(rows[drop]).all():
+        return rows
+    return _masked_rows(v, keep, j0, j1, "values")
+
+
+def _block_sums(x, keep, m, segments, slot="masked"):
+    """Masked sums ``(..., g1 - g0, c)`` of one block of whole segments of ``x``, and the
+    block's rows (masked rows zeroed)."""
     n = x.shape[-2]
     t0, t1 = _start(n, m, segments[0]), _start(n, m, segments[1])
-    xb = _masked_rows(x, keep, t0, t1, "masked")
-    xb = xb.reshape(*xb.shape[:-2], segments[1] - segments[0], -1, xb.shape[-1])
-    return reduce_rows(np.sum, xb)[..., 0, :]
+    rows = _masked_rows(x, keep, t0, t1, slot)
+    xb = rows.reshape(*rows.shape[:-2], segments[1] - segments[0], -1, rows.shape[-1])
+    return reduce_rows(np.sum, xb)[..., 0, :], rows
 
 
 def _segment_sums(x, m, keep=None):
     lead = np.broadcast_shapes(x.shape[:-2], () if keep is None else keep.shape[:-1])
     blocks = _segment_blocks(x.shape[-2], m, 4 * math.prod(lead) * x.shape[-1])
-    return map_rows(lambda g, out: _block_sums(x, keep, m, g), blocks,
+    return map_rows(lambda g, out: _block_sums(x, keep, m, g)[0], blocks,
                     shape=(*lead, m, x.shape[-1]), dtype=x.dtype, blas=False)
 
 
@@ -153,10 +168,10 @@ def _landmark_values(qt, k, v, key_mask, qvalid, unshifted):
     batch = np.broadcast_shapes(qt.shape[:-2], k.shape[:-2], v.shape[:-2])
 
     def key_block(segments, shifted):
-        ksum = _block_sums(k, key_mask, m, segments)
+        # Whole key segments: the key landmarks' sums come from the same block of k.
+        ksum, kb = _block_sums(k, key_mask, m, segments)
         j0, j1 = _start(s, m, segments[0]), _start(s, m, segments[1])
-        vb = _masked_rows(v, key_mask, j0, j1, "values")
-        kb = k[..., j0:j1, :]
+        vb = _masked_values(v, key_mask, j0, j1)
         st = np.matmul(kb, qt.mT, out=scratch((*batch, j1 - j0, m), k.dtype, "scores"))
         if shifted:
             e, total, c = _shifted_exp(st, allowed[..., j0:j1, :] if per_key else allowed)
