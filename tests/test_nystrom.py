@@ -210,7 +210,10 @@ class TestNystromAttention:
         errs = [np.abs(backend.to_numpy(nystrom_attention(
             *_on(backend, "float64", q, k, v), num_landmarks=12, pinv_iters=it)) - ref).max()
             for it in (2, 6, 10, 20, 40)]
-        assert all(b <= a for a, b in zip(errs, errs[1:])), errs
+        # Monotone down to the rounding floor of the converged result (s eps max|v| per
+        # sum, a few sums): below it two errors are both rounding and compare at random.
+        floor = 16 * 12 * F64 * np.abs(v).max()
+        assert all(b <= max(a, floor) for a, b in zip(errs, errs[1:])), errs
         assert errs[0] > 1e-3 and errs[-1] < 1e-10, errs
 
     def test_rows_sum_to_one(self, np_backend, rng):

@@ -113,10 +113,11 @@ def nystrom_attention(q, k, v, *, num_landmarks: int, scale: float, pinv: str = 
     """
     xp = array_namespace(q, k, v)
     k, v, qt, kt, qvalid, kvalid = _landmarks(q, k, v, num_landmarks, key_mask, query_mask)
-    kernel_f = masked_softmax((q @ xp.matrix_transpose(kt)) * scale, _col(kvalid))
-    kernel_a = masked_softmax((qt @ xp.matrix_transpose(kt)) * scale,
-                              _and(_row(qvalid), _col(kvalid)))
-    kernel_b = masked_softmax((qt @ xp.matrix_transpose(k)) * scale,
+    # The scale goes on the (m, d) landmarks: every logit pairs one with a token or landmark.
+    kts = xp.matrix_transpose(kt * scale)
+    kernel_f = masked_softmax(q @ kts, _col(kvalid))
+    kernel_a = masked_softmax(qt @ kts, _and(_row(qvalid), _col(kvalid)))
+    kernel_b = masked_softmax((qt * scale) @ xp.matrix_transpose(k),
                               _and(_row(qvalid), _col(key_mask)))
     if pinv == "svd":
         eps = float(xp.finfo(kernel_a.dtype).eps)
@@ -134,8 +135,8 @@ def landmark_attention(q, k, v, *, num_landmarks: int, scale: float, key_mask=No
     xp = array_namespace(q, k, v)
     k, v, qt, kt, qvalid, kvalid = _landmarks(q, k, v, num_landmarks, key_mask, query_mask)
     valid = _and(qvalid, kvalid)
-    kernel_f = masked_softmax((q @ xp.matrix_transpose(kt)) * scale, _col(valid))
-    kernel_b = masked_softmax((qt @ xp.matrix_transpose(k)) * scale,
+    kernel_f = masked_softmax(q @ xp.matrix_transpose(kt * scale), _col(valid))
+    kernel_b = masked_softmax((qt * scale) @ xp.matrix_transpose(k),
                               _and(_row(qvalid), _col(key_mask)))
     return kernel_f @ (kernel_b @ v)
 
