@@ -19,7 +19,7 @@ from . import reference
 from ._engine import entry
 from ._validate import (Problem, check_flag, check_key_mask, check_positive_int, check_qkv,
                         check_same_array_kind, check_scale, check_seed)
-from ._xp import xp_device, xp_from_host
+from ._xp import xp_from_host
 from .registry import Variant, register
 
 __all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets"]
