@@ -14,22 +14,20 @@ from __future__ import annotations
 import math
 import numbers
 
-from ._parallel import parallel_map, split_rows
-from ._validate import check_choice, check_positive_int
+from . import reference
+from ._engine import entry, numpy_engine
+from ._numpy import linalg as engine
+from ._validate import check_array, check_choice, check_flag, check_positive_int
 from ._xp import compute_dtype, xp_device, xp_namespace
 
-__all__ = ["pinv"]
+__all__ = ["pinv", "check_svd_available", "PINV_METHODS", "PINV_INITS"]
 
 PINV_METHODS = ("svd", "iterative")
 PINV_INITS = ("per_matrix", "global")
 
 
-def _eye_like(xp, a):
-    """``I_p`` for ``a (..., p, q)``, in ``a``'s dtype and on its device."""
-    return xp.eye(a.shape[-2], dtype=a.dtype, device=xp_device(a))
-
-
-def _svd_pinv(xp, a, rtol):
+def check_svd_available(xp) -> None:
+    """``method="svd"`` needs the array API ``linalg`` extension: a clear error without it."""
     linalg = getattr(xp, "linalg", None)
     if linalg is None or not hasattr(linalg, "pinv"):
         raise ValueError(
@@ -37,47 +35,11 @@ def _svd_pinv(xp, a, rtol):
             f"namespace {getattr(xp, '__name__', xp)!r} does not provide; use "
             "method='iterative' (matmuls only)"
         )
-    if rtol is None:
-        rtol = max(a.shape[-2], a.shape[-1]) * float(xp.finfo(a.dtype).eps)
-    p, q = a.shape[-2], a.shape[-1]
-    lead = tuple(a.shape[:-2])
-    count = math.prod(lead)
-    # Groups of whole matrices in parallel threads on NumPy (LAPACK runs one small SVD
-    # on one core: 8 SVDs of 64 x 64 took 8 ms, 3.9 ms in two groups); a matrix's work
-    # ~ p q min(p, q) stands in for its bytes.
-    groups = split_rows(xp, count, row_bytes=4 * p * q * min(p, q))
-    if len(groups) < 2:
-        return linalg.pinv(a, rtol=rtol)
-    flat = xp.reshape(a, (count, p, q))
-    parts = parallel_map(xp, lambda g: linalg.pinv(flat[g[0]:g[1], ...], rtol=rtol), groups)
-    return xp.reshape(xp.concat(parts, axis=0), (*lead, q, p))
 
 
-def _iterative_pinv(xp, a, iters: int, init: str):
-    """Razavi et al. (2014): ``Z <- Z (13 I - AZ (15 I - AZ (7 I - AZ))) / 4``.
-
-    ``Z0 = A^T / (||A||_1 ||A||_inf)``.  Writing ``R = I - AZ``, one step maps ``R`` to
-    ``(3 R^3 + R^4) / 4``: third-order convergence, and since ``Z`` stays a polynomial in
-    ``A^T A`` times ``A^T`` every singular direction converges independently and
-    monotonically from ``r0 = 1 - sigma^2 / (||A||_1 ||A||_inf)``.
-    """
-    absa = xp.abs(a)
-    col = xp.max(xp.sum(absa, axis=-2), axis=-1)   # ||A||_1 per matrix  (...,)
-    row = xp.max(xp.sum(absa, axis=-1), axis=-1)   # ||A||_inf per matrix (...,)
-    if init == "global":
-        # One max over every matrix of the batch and every head, as the official code
-        # and the popular ports do (slower: a sharp head shrinks every head's Z0).
-        col, row = xp.max(col), xp.max(row)
-    denom = col * row
-    alpha = xp.where(denom > 0, 1.0 / xp.where(denom > 0, denom, 1.0), 0.0)  # A = 0 -> Z = 0
-    if init == "per_matrix":
-        alpha = alpha[..., None, None]
-    z = xp.matrix_transpose(a) * alpha
-    eye = _eye_like(xp, a)
-    for _ in range(iters):
-        az = a @ z
-        z = 0.25 * (z @ (13.0 * eye - az @ (15.0 * eye - az @ (7.0 * eye - az))))
-    return z
+def _eye_like(xp, a):
+    """``I_p`` for ``a (..., p, q)``, in ``a``'s dtype and on its device."""
+    return xp.eye(a.shape[-2], dtype=a.dtype, device=xp_device(a))
 
 
 def _residual(xp, a, z):
@@ -173,6 +135,7 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
     >>> bool(np.allclose(zi, np.linalg.inv(a[:1]))), bool(res[0] < 1e-12)
     (True, True)
     """
+    a = check_array("a", a)
     xp = xp_namespace(a)
     if a.ndim < 2:
         raise ValueError(f"a must have at least 2 dimensions (..., p, q); got shape "
@@ -192,12 +155,20 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
         if (isinstance(rtol, bool) or not isinstance(rtol, numbers.Real)
                 or not rtol >= 0):
             raise ValueError(f"rtol must be a real number >= 0; got {rtol!r}")
+    return_residual = check_flag("return_residual", return_residual)
     work = compute_dtype(xp, a.dtype)
     wa = xp.astype(a, work, copy=False)
-    if method == "svd":
-        z = _svd_pinv(xp, wa, rtol)
-    else:
-        z = _iterative_pinv(xp, wa, iters, init)
+    with entry(xp):
+        if method == "iterative":
+            z = reference.pinv_razavi(wa, iters, init)
+        else:
+            check_svd_available(xp)
+            if rtol is None:
+                rtol = max(a.shape[-2], a.shape[-1]) * float(xp.finfo(work).eps)
+            if numpy_engine(xp, 4 * math.prod(a.shape) * min(a.shape[-2:])):
+                z = engine.pinv_svd(wa, rtol)
+            else:
+                z = reference.pinv_svd(wa, rtol)
     out = xp.astype(z, a.dtype, copy=False)
     if return_residual:
         return out, xp.astype(_residual(xp, wa, z), a.dtype, copy=False)

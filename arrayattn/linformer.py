@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import (check_key_mask, check_no_causal, check_positive_int, check_qkv,
-                        check_same_array_kind, check_scale)
+from . import reference
+from ._engine import entry
+from ._validate import (check_array, check_flag, check_key_mask, check_no_causal,
+                        check_positive_int, check_qkv, check_same_array_kind, check_scale,
+                        check_seed)
 from ._xp import xp_from_host, xp_namespace
-from .exact import attend
 from .registry import Variant, register
 
 __all__ = ["linformer_attention", "linformer_projection"]
@@ -34,7 +36,8 @@ def linformer_projection(proj_dim: int, s: int, *, seed=0) -> np.ndarray:
 
     Drawn with ``numpy.random.default_rng(seed)`` in float64, so the same seed gives the
     same matrix on every backend; :func:`linformer_attention` draws exactly this matrix
-    when no ``e`` is given.
+    when no ``e`` is given.  ``seed`` is a non-negative integer (``None``, fresh entropy,
+    is refused: a reference result must be reproducible).
 
     Examples
     --------
@@ -44,12 +47,13 @@ def linformer_projection(proj_dim: int, s: int, *, seed=0) -> np.ndarray:
     (4, 10)
     """
     proj_dim = check_positive_int("proj_dim", proj_dim)
-    s = check_positive_int("s", s)
-    rng = np.random.default_rng(seed)
+    s = check_positive_int("s", s, minimum=0)
+    rng = np.random.default_rng(check_seed(seed))
     return rng.standard_normal((proj_dim, s)) / np.sqrt(proj_dim)
 
 
 def _check_projection(p, name, x, q):
+    x = check_array(name, x)
     check_same_array_kind(p.xp, "q", q, name, x)
     if not p.xp.isdtype(x.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype; got {x.dtype}")
@@ -91,8 +95,10 @@ def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, sca
         key-value projection).
     proj_dim : int
         ``m``, used only when ``e`` is drawn.
-    seed : int or None
-        Seed of the host random generator that draws ``E``.
+    seed : int
+        Seed of the host random generator that draws ``E``: a non-negative integer, the
+        same on every backend.  ``None`` is refused (a different result on every call);
+        pass ``e=`` to use your own draw.
     scale : float, optional
         ``None`` means ``1/sqrt(d)``.
     key_mask : boolean array, shape ``(..., s)``, optional
@@ -130,7 +136,7 @@ def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, sca
     True
     """
     p = check_qkv(q, k, v)
-    check_no_causal(causal, "linformer_attention", _WHY_NOT_CAUSAL)
+    check_no_causal(check_flag("causal", causal), "linformer_attention", _WHY_NOT_CAUSAL)
     check_key_mask(p, key_mask, q)
     scale = check_scale(scale, p.d)
     xp, wd = p.xp, p.work_dtype
@@ -153,16 +159,12 @@ def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, sca
                 f"f {tuple(f.shape)}"
             )
         f = xp.astype(f, wd, copy=False)
-    wq = xp.astype(q, wd, copy=False) * scale
-    wk = xp.astype(k, wd, copy=False)
-    wv = xp.astype(v, wd, copy=False)
-    if key_mask is not None:
-        keep = xp.expand_dims(key_mask, axis=-1)
-        wk = xp.where(keep, wk, xp.zeros((), dtype=wd, device=p.device))
-        wv = xp.where(keep, wv, xp.zeros((), dtype=wd, device=p.device))
-    ek = e @ wk                                  # (..., m, d)
-    fv = f @ wv                                  # (..., m, dv)
-    out = attend(xp, wq @ xp.matrix_transpose(ek), fv, consume=True)
+    if p.s == 0:
+        return p.zeros()
+    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+    with entry(xp):
+        out = reference.linformer_attention(wq, wk, wv, e, f, scale=scale,
+                                            key_mask=key_mask)
     return xp.astype(out, p.dtype, copy=False)
 
 

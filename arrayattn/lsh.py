@@ -15,10 +15,11 @@ import math
 
 import numpy as np
 
-from ._validate import (Problem, check_key_mask, check_positive_int, check_qkv,
-                        check_same_array_kind, check_scale)
-from ._xp import xp_device, xp_from_host
-from .exact import attend
+from . import reference
+from ._engine import entry
+from ._validate import (Problem, check_flag, check_key_mask, check_positive_int, check_qkv,
+                        check_same_array_kind, check_scale, check_seed)
+from ._xp import xp_from_host
 from .registry import Variant, register
 
 __all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets"]
@@ -66,7 +67,7 @@ def lsh_rotations(d, *, num_hashes=4, num_buckets, seed=0):
     d = check_positive_int("d", d)
     num_hashes = check_positive_int("num_hashes", num_hashes)
     nb = _check_num_buckets(num_buckets)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed))
     return rng.standard_normal((num_hashes, d, nb // 2))
 
 
@@ -109,29 +110,6 @@ def _resolve_rotations(p: Problem, qk, rotations, num_hashes, num_buckets, seed)
     return xp.astype(rotations, p.work_dtype, copy=False), num_hashes, nb
 
 
-def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
-    """Buckets ``(*batch, H, n)``: ``argmax([x R, -x R])`` per round (Andoni et al. 2015)."""
-    H = rot.shape[-3]
-    if nb == 1:
-        return xp.full((*batch, H, n), 0, device=xp_device(qk))  # default integer dtype
-    d, half = rot.shape[-2], rot.shape[-1]
-    # All rounds in one product: (..., n, d) @ (..., d, H * nb/2).
-    flat_rot = xp.reshape(xp.permute_dims(rot, (*range(rot.ndim - 3), rot.ndim - 2,
-                                                 rot.ndim - 3, rot.ndim - 1)),
-                          (*rot.shape[:-3], d, H * half))
-    if rot.ndim == 3:  # shared rotations: one 2-D product (NumPy's broadcast is slow)
-        proj = xp.reshape(xp.reshape(qk, (-1, d)) @ flat_rot, (*qk.shape[:-1], H, half))
-    else:
-        proj = qk @ flat_rot
-        proj = xp.reshape(proj, (*proj.shape[:-1], H, half))   # (..., n, H, nb/2)
-    # argmax([p, -p]) without forming the concatenation (ties: the first half wins,
-    # as argmax takes the first maximum).
-    upper = xp.max(proj, axis=-1) >= -xp.min(proj, axis=-1)
-    buckets = xp.where(upper, xp.argmax(proj, axis=-1),
-                       xp.argmin(proj, axis=-1) + half)                 # (..., n, H)
-    return xp.broadcast_to(xp.matrix_transpose(buckets), (*batch, H, n))
-
-
 def _prepare(qk, v, key_mask, *, num_hashes, num_buckets, chunk_size, seed, rotations):
     p = check_qkv(qk, qk, v, names=("qk", "qk", "v"))
     check_key_mask(p, key_mask, qk)
@@ -164,125 +142,11 @@ def lsh_buckets(qk, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
                                 num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
                                 rotations=rotations)
     xp = p.xp
-    wqk = xp.astype(qk, p.work_dtype, copy=False)
-    buckets = _hash(xp, wqk, rot, nb, p.batch, p.n)
+    with entry(xp):
+        buckets = reference.lsh_hash(xp.astype(qk, p.work_dtype, copy=False), rot, nb)
     if key_mask is not None:
         buckets = xp.where(xp.expand_dims(key_mask, axis=-2), buckets, nb)
     return buckets
-
-
-# ---------------------------------------------------------------------------------
-# Attention
-# ---------------------------------------------------------------------------------
-
-def _gather(xp, x, flat_idx, shape):
-    """Rows of ``x (B, n, f)`` at flat indices ``(B*L,)`` (``b*n + i``), reshaped."""
-    B, n, f = x.shape
-    return xp.reshape(xp.take(xp.reshape(x, (B * n, f)), flat_idx, axis=0), shape)
-
-
-def _look_one_back(xp, x, fill, axis=2):
-    """``(B, nc, C, ...) -> (B, nc, 2C, ...)``: each chunk preceded by the previous chunk.
-
-    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(B, nc, d, C)``).
-    The first chunk has no previous chunk (no wrap-around): its look-back half is
-    ``fill`` (a slot that no query may attend to).  The result is a fresh contiguous
-    array (NumPy's batched matmul is ~10x slower on a transposed view).
-    """
-    first = xp.full((x.shape[0], 1, *x.shape[2:]), fill, dtype=x.dtype,
-                    device=xp_device(x))
-    prev = xp.concat([first, x[:, :-1, ...]], axis=1)
-    return xp.concat([prev, x], axis=axis)
-
-
-_TILE = 1 << 22  # elements of one score-sized temporary (16 MiB in float32)
-
-
-def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
-    """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
-
-    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``;
-    ``buckets`` is ``(B, H, n)`` with masked tokens in bucket ``nb``.
-    """
-    B, H = buckets.shape[0], buckets.shape[1]
-    nc = -(-n // C)
-    L = nc * C
-    order = xp.argsort(buckets[:, r, :], axis=-1, stable=True)      # (B, n) positions
-    # Pad the sorted order to nc * C slots; a pad slot holds position 0 but bucket -1.
-    if L > n:
-        order = xp.concat(
-            [order, xp.zeros((B, L - n), dtype=order.dtype, device=device)], axis=-1)
-    offsets = xp.reshape(xp.arange(B, dtype=order.dtype, device=device) * n, (B, 1))
-    flat = xp.reshape(order + offsets, (B * L,))
-    is_slot = xp.arange(L, device=device) < n                         # (L,)
-
-    def sorted_ints(a):  # (B, n) ints -> (B, nc, C), pad slots -1
-        g = xp.reshape(xp.take(xp.reshape(a, (B * n,)), flat, axis=0), (B, L))
-        return xp.reshape(xp.where(is_slot, g, -1), (B, nc, C))
-
-    q_c = _gather(xp, qs, flat, (B, nc, C, qs.shape[-1]))
-    k_t = xp.matrix_transpose(_gather(xp, ks, flat, (B, nc, C, ks.shape[-1])))
-    k_wt = _look_one_back(xp, k_t, 0, axis=-1)                        # (B, nc, d, 2C)
-    v_w = _look_one_back(xp, _gather(xp, vs, flat, (B, nc, C, vs.shape[-1])), 0)
-    pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
-    if causal:
-        # Sorted rank of each slot, and of each key slot in the look-back window.
-        slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
-        slot_k = _look_one_back(xp, slot, -L)
-    bq = sorted_ints(buckets[:, r, :])
-    bk = _look_one_back(xp, bq, -1)
-    pk = _look_one_back(xp, pos, -1)
-    # Paper eq. (3): same bucket only.  Queries and keys that are not real (pad slots
-    # in bucket -1, masked tokens in bucket nb) get codes that match nothing.  The
-    # token itself is excluded here and used as a fallback after the rounds are merged.
-    bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
-    bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
-    others = []  # the other rounds' buckets, for the duplicate count
-    if dedup and H > 1:
-        for r2 in range(H):
-            if r2 != r:
-                b2 = sorted_ints(buckets[:, r2, :])
-                others.append((b2, _look_one_back(xp, b2, -1)))
-    # The score-sized work runs over blocks of chunks, so that its temporaries stay
-    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)).
-    step = max(1, _TILE // (B * C * 2 * C))
-    outs, lses = [], []
-    for c0 in range(0, nc, step):
-        blk = slice(c0, min(c0 + step, nc))
-        pq4, pk4 = pos[:, blk, :, None], pk[:, blk, None, :]
-        allowed = (bq_code[:, blk, :, None] == bk_code[:, blk, None, :]) & (
-            (pk4 < pq4) if causal else (pk4 != pq4))
-        if causal:
-            # A sliding window of the C sorted slots before the query instead of the
-            # chunk + previous chunk: within a bucket, slots are in position order, so
-            # the window holds the query's min(C, #) most recent same-bucket keys -- a
-            # set fixed by past tokens alone.  With chunk boundaries a future token's
-            # bucket could shift the window and change a past output.
-            allowed = allowed & (
-                slot[:, blk, :, None] - slot_k[:, blk, None, :] <= C)
-        scores = q_c[:, blk, ...] @ k_wt[:, blk, ...]                 # (B, g, C, 2C)
-        if others:
-            # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
-            # subtracting log N_ij makes a pair met in several rounds count once.
-            # Where allowed, N_ij = 1 (this round) + the matches counted here.
-            count = None
-            for b2q, b2k in others:
-                same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
-                count = same if count is None else count + same
-            scores = scores - xp.log1p(xp.astype(count, work_dtype))
-        o, z = attend(xp, scores, v_w[:, blk, ...], allowed, return_lse=True)
-        outs.append(o)
-        lses.append(z)
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=1)
-    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=1)
-    out = xp.reshape(out, (B, L, out.shape[-1]))[:, :n, :]
-    lse = xp.reshape(lse, (B, L))[:, :n]
-    # Undo the sort: sorted slot t holds position order[t]; position i is at undo[i].
-    undo = xp.argsort(order[:, :n], axis=-1, stable=True)
-    flat_undo = xp.reshape(undo + offsets, (B * n,))
-    out = _gather(xp, out, flat_undo, (B, n, out.shape[-1]))
-    lse = xp.reshape(xp.take(xp.reshape(lse, (B * n,)), flat_undo, axis=0), (B, n))
-    return out, lse
 
 
 def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
@@ -329,7 +193,8 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
     seed : int
         Seed of the host draw ``numpy.random.default_rng(seed).standard_normal((H, d,
         num_buckets // 2))`` (see :func:`lsh_rotations`); same seed, same buckets on
-        every backend.
+        every backend.  A non-negative integer: ``None`` (fresh entropy, a different
+        result on every call) is refused; pass ``rotations=`` for your own draw.
     rotations : array, shape ``(..., H, d, num_buckets // 2)``, optional
         The caller's rotations (e.g. a model's fixed hash), replacing the seeded draw.
         Leading dimensions broadcast against the batch (per-head rotations).
@@ -402,44 +267,16 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
                                 num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
                                 rotations=rotations)
     scale = check_scale(scale, p.d)
-    xp, n, dev, wd = p.xp, p.n, p.device, p.work_dtype
-    B = math.prod(p.batch)
-    wqk = xp.astype(qk, wd, copy=False)
-    wv = xp.astype(v, wd, copy=False)
-    buckets = _hash(xp, wqk, rot, nb, p.batch, n)                     # (*batch, H, n)
-    if key_mask is not None:
-        buckets = xp.where(xp.expand_dims(key_mask, axis=-2), buckets, nb)
-    buckets = xp.reshape(buckets, (B, H, n))
-    qk3 = xp.reshape(xp.broadcast_to(wqk, (*p.batch, n, p.d)), (B, n, p.d))
-    v3 = xp.reshape(xp.broadcast_to(wv, (*p.batch, n, p.dv)), (B, n, p.dv))
-    norm = xp.sqrt(xp.sum(qk3 * qk3, axis=-1, keepdims=True))
-    ks = qk3 / xp.where(norm > 0, norm, 1.0)
-    qs = qk3 * scale
-
-    # Merge the rounds as they come (the online log-sum-exp of FlashAttention):
-    # m = running max of the rounds' lse, l = sum_r exp(z_r - m), acc = sum_r
-    # exp(z_r - m) o_r; a round with no key (z_r = -inf) adds exactly 0.
-    m = xp.full((B, n), -xp.inf, dtype=wd, device=dev)
-    l = xp.zeros((B, n), dtype=wd, device=dev)
-    acc = xp.zeros((B, n, p.dv), dtype=wd, device=dev)
-    for r in range(H):
-        o, z = _lsh_round(xp, qs, ks, v3, buckets, r, n=n, C=C, nb=nb, causal=causal,
-                          dedup=dedup, work_dtype=wd, device=dev)
-        m_new = xp.maximum(m, z)
-        shift = xp.where(m_new == -xp.inf, 0.0, m_new)
-        old, new = xp.exp(m - shift), xp.exp(z - shift)
-        l = l * old + new
-        acc = acc * old[..., None] + o * new[..., None]
-        m = m_new
-    has_key = l > 0
-    out = acc / xp.where(has_key, l, 1.0)[..., None]
-    # Fallback: a token with no other key in any round attends to itself (if real).
-    fallback = v3
-    if key_mask is not None:
-        km = xp.reshape(xp.broadcast_to(key_mask, (*p.batch, n)), (B, n))
-        fallback = xp.where(km[..., None], v3, 0.0)
-    out = xp.where(has_key[..., None], out, fallback)
-    out = xp.reshape(out, p.out_shape)
+    causal = check_flag("causal", causal)
+    dedup = check_flag("dedup", dedup)
+    if p.n == 0:
+        return p.zeros()
+    xp = p.xp
+    with entry(xp):
+        out = reference.lsh_attention(
+            xp.astype(qk, p.work_dtype, copy=False), xp.astype(v, p.work_dtype, copy=False),
+            rot, num_buckets=nb, chunk_size=C, scale=scale, causal=causal,
+            key_mask=key_mask, dedup=dedup)
     return xp.astype(out, p.dtype, copy=False)
 
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import check_key_mask, check_no_causal, check_qkv, check_same_array_kind
-from ._xp import xp_device, xp_from_host, xp_namespace
-from .exact import softmax_attention
+from . import reference
+from ._engine import entry
+from ._validate import (check_array, check_flag, check_key_mask, check_no_causal,
+                        check_positive_int, check_qkv, check_same_array_kind, check_scale,
+                        check_seed)
+from ._xp import xp_device, xp_from_host
 from .registry import Variant, register
 
 __all__ = ["luna_attention"]
@@ -32,6 +35,7 @@ _NOT_CAUSAL = (
 def _check_projection(p, name, w, ref, rows, cols_name):
     if w is None:
         return None
+    w = check_array(name, w)
     check_same_array_kind(p.xp, "q", ref, name, w)
     if not p.xp.isdtype(w.dtype, "real floating"):
         raise TypeError(f"{name} must have a real floating dtype; got {w.dtype}")
@@ -125,8 +129,10 @@ def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
     True
     """
     prob = check_qkv(q, k, v)
-    check_no_causal(causal, "luna_attention", _NOT_CAUSAL)
+    check_no_causal(check_flag("causal", causal), "luna_attention", _NOT_CAUSAL)
+    return_packed = check_flag("return_packed", return_packed)
     check_key_mask(prob, key_mask, q)
+    p = check_array("p", p)
     packp = check_qkv(p, k, v, names=("p", "k", "v"))
     check_same_array_kind(prob.xp, "q", q, "p", p)
     wk = _check_projection(prob, "unpack_key_proj", unpack_key_proj, q, prob.dv, "d")
@@ -142,15 +148,22 @@ def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
             f"unpack_key_proj must map dv={prob.dv} to d={prob.d}; got shape "
             f"{tuple(wk.shape)}"
         )
+    scale = check_scale(scale, prob.d)
     xp, wd = prob.xp, prob.work_dtype
-    w = [None if x is None else xp.astype(x, wd, copy=False)
-         for x in (q, k, v, p, wk, wv)]
-    wq, wk_, wv_, wp, proj_k, proj_v = w
-    # Pack: l queries over s keys.  Unpack: n queries over l keys.  Both exact.
-    packed = softmax_attention(wp, wk_, wv_, scale=scale, key_mask=key_mask)
-    keys = packed if proj_k is None else packed @ proj_k
-    values = packed if proj_v is None else packed @ proj_v
-    out = softmax_attention(wq, keys, values, scale=scale)
+    wq, wk_, wv_, wp, proj_k, proj_v = (None if x is None else xp.astype(x, wd, copy=False)
+                                        for x in (q, k, v, p, wk, wv))
+    with entry(xp):
+        if prob.s == 0:
+            # No key: every packed token attends to nothing (zeros), and so every output
+            # is a mean of zero values.
+            packed = xp.zeros((*packp.batch, packp.n, prob.dv), dtype=wd, device=prob.device)
+            values = packed if proj_v is None else packed @ proj_v
+            out = xp.zeros((*prob.batch, prob.n, values.shape[-1]), dtype=wd,
+                           device=prob.device)
+        else:
+            out, packed = reference.luna_attention(
+                wq, wk_, wv_, wp, scale=scale, key_mask=key_mask, unpack_key_proj=proj_k,
+                unpack_value_proj=proj_v)
     out = xp.astype(out, prob.dtype, copy=False)
     if return_packed:
         return out, xp.astype(packed, packp.dtype, copy=False)
@@ -161,10 +174,13 @@ _UNIFORM_L = 16
 
 
 def _uniform_call(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
-    """Registry adapter: ``P`` and (when ``dv != d``) ``W_K`` drawn on the host."""
-    xp = xp_namespace(q, k, v)
-    d, dv = q.shape[-1], v.shape[-1]
-    rng = np.random.default_rng(seed)
+    """Registry adapter: ``P`` and (when ``dv != d``) ``W_K`` drawn on the host with
+    ``numpy.random.default_rng(seed)`` (``seed`` a non-negative integer)."""
+    prob = check_qkv(q, k, v)
+    xp = prob.xp
+    num_packed = check_positive_int("num_packed", num_packed)
+    d, dv = prob.d, prob.dv
+    rng = np.random.default_rng(check_seed(seed))
     p = xp_from_host(xp, rng.standard_normal((num_packed, d)), dtype=q.dtype,
                      device=xp_device(q))
     if dv != d and options.get("unpack_key_proj") is None:

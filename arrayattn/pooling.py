@@ -7,13 +7,15 @@ band over pooled keys, each of which stands for the interval of positions it poo
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
-from ._validate import (check_choice, check_key_mask, check_positive_int, check_qkv,
-                        check_same_array_kind, check_scale)
+from ._validate import (check_array, check_choice, check_flag, check_key_mask,
+                        check_positive_int, check_qkv, check_same_array_kind, check_scale)
+from .reference.masks import zero_masked_keys
 from .registry import Variant, register
-from .sparse import (BlockLayout, _block_sparse, _check_window, _host_int, _nblocks,
-                     local_layout)
+from .sparse import BlockLayout, _block_sparse, _host_int, _nblocks, local_layout
 
 __all__ = ["pooling_attention", "pooled_spans"]
 
@@ -41,6 +43,20 @@ def pooled_spans(s: int, pool_size: int, pool_stride: int | None = None):
     start = np.arange(m, dtype=np.int64) * zeta
     end = np.minimum(start + kappa, s) - 1
     return start, end
+
+
+def _check_window(name: str, window) -> tuple[int, int]:
+    """``window``: an int or a pair ``(left, right)`` of ints >= 0, named ``name``."""
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+        window = (int(window), int(window))
+    if (not isinstance(window, tuple) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                       for w in window)):
+        raise TypeError(f"{name} must be an int or a pair (left, right) of ints; got "
+                        f"{window!r}")
+    if min(window) < 0:
+        raise ValueError(f"{name} sizes must be >= 0; got {window!r}")
+    return tuple(int(w) for w in window)
 
 
 def _pool(xp, x, start, end, kind: str, key_mask, *, device):
@@ -141,17 +157,18 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     True
     """
     p = check_qkv(q, k, v)
+    causal = check_flag("causal", causal)
     check_key_mask(p, key_mask, q)
     pool = check_choice("pool", pool, {"mean", "max"})
-    w1 = _check_window(window)
-    w2 = _check_window(pool_window)
+    w1 = _check_window("window", window)
+    w2 = _check_window("pool_window", pool_window)
     kappa = check_positive_int("pool_size", pool_size)
     zeta = kappa if pool_stride is None else check_positive_int("pool_stride", pool_stride)
     b = check_positive_int("block_size", block_size)
     xp, dev, wd = p.xp, p.device, p.work_dtype
-    q2 = q if q2 is None else q2
-    k2 = k if k2 is None else k2
-    v2 = v if v2 is None else v2
+    q2 = q if q2 is None else check_array("q2", q2)
+    k2 = k if k2 is None else check_array("k2", k2)
+    v2 = v if v2 is None else check_array("v2", v2)
     p2 = check_qkv(q2, k2, v2, names=("q2", "k2", "v2"))
     check_same_array_kind(xp, "q", q, "q2", q2)
     if (p2.n, p2.s, p2.dv) != (p.n, p.s, p.dv) or p2.dtype != p.dtype:
@@ -164,6 +181,11 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
         raise ValueError(f"q2/k2/v2 batch {p2.batch} differs from q/k/v batch {p.batch}")
     s1 = check_scale(scale, p.d)
     s2 = check_scale(scale, p2.d)
+    if p.s == 0:
+        return p.zeros()
+    # A padded key's row (even NaN or inf) must not matter: zeroed once, both levels.
+    k, v, k2, v2 = (xp.astype(x, wd, copy=False) for x in (k, v, k2, v2))
+    k, v, k2, v2 = zero_masked_keys(key_mask, k, v, k2, v2)
 
     # Level 1: the sliding window.
     lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)

@@ -201,7 +201,7 @@ class TestLshAttention:
     def test_blocks_of_chunks(self, np_backend, rng, monkeypatch, causal):
         """Long inputs run over blocks of chunks: one chunk per block (the smallest
         tile) gives the oracle's result too."""
-        import arrayattn.lsh as lsh_module
+        import arrayattn.reference.lsh as lsh_module
 
         qk, v = standard(rng)
         km = rng.random((2, N)) < 0.85
