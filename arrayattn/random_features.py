@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 
 import array_api_compat
 import numpy as np
 
-from ._validate import check_choice, check_positive_int, check_qkv, check_scale
+from ._validate import check_choice, check_positive_int, check_qkv, check_scale, check_seed
 from ._xp import to_numpy, xp_from_host
 
 __all__ = ["RandomFeatures", "estimate_kernel", "kernel_variance", "gerf_parameter",
-           "FEATURE_KINDS"]
+           "FEATURE_KINDS", "FeatureRows", "as_features", "feature_rows", "check_kind",
+           "resolve_gerf_a"]
 
 PROJECTIONS = ("iid", "orthogonal", "identity")
+#: The largest projection drawn on the host (``m * d`` float64 values): more is a typo (an
+#: orthogonal draw of ``num_features=10**12`` would loop over ~1e10 QR blocks).
+MAX_OMEGA_BYTES = 1 << 33
 NORMS = ("chi", "fixed", "quasi")
 #: Feature maps, name -> number of features per random row.  The first four estimate the
 #: softmax kernel; "relu" (like a caller's function f) is a generalized kernel f(ω·x̃).
@@ -177,8 +180,12 @@ class RandomFeatures:
         m = check_positive_int("m", m)
         check_choice("projection", projection, PROJECTIONS)
         check_choice("norms", norms, NORMS)
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise TypeError(f"seed must be a non-negative integer; got {seed!r}")
+        seed = check_seed(seed)
+        if m * d * 8 > MAX_OMEGA_BYTES:
+            raise ValueError(
+                f"num_features (m) = {m} rows of d = {d} need a {m * d * 8 / 2**30:.3g} GiB "
+                f"float64 host matrix (m, d); the limit is {MAX_OMEGA_BYTES / 2**30:g} GiB "
+                f"(MAX_OMEGA_BYTES): use fewer features")
         if projection == "identity":
             if m != d:
                 raise ValueError(f"projection='identity' (no random projection) has m = d = "
@@ -208,7 +215,11 @@ class RandomFeatures:
         """
         if isinstance(omega, RandomFeatures):
             return omega
-        host = np.array(to_numpy(omega), dtype=np.float64, copy=True)
+        host = np.asarray(to_numpy(omega))
+        if np.iscomplexobj(host) or not (np.issubdtype(host.dtype, np.floating)
+                                         or np.issubdtype(host.dtype, np.integer)):
+            raise TypeError(f"omega must be a real matrix; got dtype {host.dtype}")
+        host = np.array(host, dtype=np.float64, copy=True)
         if host.ndim != 2 or host.shape[0] < 1 or host.shape[1] < 1:
             raise ValueError(
                 f"omega must be a non-empty 2-D matrix (m, d); got shape {host.shape}")
@@ -389,7 +400,7 @@ def gerf_parameter(q, k, /, *, scale=None, key_mask=None):
     else:
         wgt = xp.astype(xp.expand_dims(key_mask, axis=-1), p.work_dtype)
         cnt = xp.maximum(xp.sum(wgt, axis=-2, keepdims=True), 1.0)
-        kt = kt * wgt
+        kt = xp.where(xp.expand_dims(key_mask, axis=-1), kt, 0.0)   # NaN padding: no 0 * NaN
         mk = xp.sum(xp.sum(kt * kt, axis=-1, keepdims=True), axis=-2, keepdims=True) / cnt
         kbar = xp.sum(kt, axis=-2, keepdims=True) / cnt
     rho = (mq + mk + 2 * xp.sum(qbar * kbar, axis=-1, keepdims=True)) / p.d
@@ -462,7 +473,8 @@ def estimate_kernel(q, k, features, /, *, kind="positive", scale=None, gerf_a=No
     gerf_a : float or array ``(..., 1, 1)``, optional
         The GERF parameter of ``kind="favor++"``.
     key_mask : boolean array ``(..., s)``, optional
-        Only used to compute the optimal ``A`` of ``kind="favor++"`` over the real keys.
+        The real keys: the optimal ``A`` of ``kind="favor++"`` is computed over them, and
+        a masked key's column is 0 (its row of ``k`` is never read).
 
     Returns
     -------
@@ -493,9 +505,13 @@ def estimate_kernel(q, k, features, /, *, kind="positive", scale=None, gerf_a=No
     if scale < 0:
         wq = -wq
     wk = xp.astype(k, p.work_dtype, copy=False)
+    if key_mask is not None:   # padding may hold NaN: a masked key's column is 0
+        wk = xp.where(xp.expand_dims(key_mask, axis=-1), wk, 0.0)
     bq, lq = _parts(xp, wq, rows, scale)
     bk, lk = _parts(xp, wk, rows, scale)
     out = (bq @ xp.matrix_transpose(bk)) * xp.exp(lq + xp.matrix_transpose(lk))
+    if key_mask is not None:
+        out = xp.where(xp.expand_dims(key_mask, axis=-2), out, 0.0)
     return xp.astype(out, p.dtype, copy=False)
 
 
