@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import array_api_compat
+
 from ._xp import xp_device, xp_namespace
 
 __all__ = ["FeatureMap", "get_feature_map", "taylor_feature_map", "FEATURE_MAPS",
@@ -72,6 +74,9 @@ class FeatureMap:
         if dtype is None:
             dtype = xp.float64
         probe = self.query(xp.zeros((1, d), dtype=dtype, device=device))
+        if not array_api_compat.is_array_api_obj(probe) or probe.ndim < 1:
+            raise TypeError(f"feature_map's query map output must be an array with a "
+                            f"feature axis; got {type(probe).__name__}")
         return int(probe.shape[-1])
 
 
