@@ -38,7 +38,7 @@ from ._numpy import performer as numpy_performer
 from ._validate import (check_choice, check_flag, check_key_mask, check_positive_int,
                         check_qkv, check_scale, check_seed)
 from .random_features import (EXP_KINDS, FEATURE_KINDS, NORMS, PROJECTIONS, RandomFeatures,
-                              as_features, check_kind, feature_rows, resolve_gerf_a)
+                              as_features, check_kind, resolve_gerf_a)
 from .registry import Variant, register
 
 __all__ = ["performer_attention"]
@@ -161,9 +161,9 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
     width = features.m * FEATURE_KINDS.get(kind, 1) if isinstance(kind, str) else features.m
     with entry(xp):
         if numpy_engine(xp, math.prod(p.batch) * (p.n + p.s) * max(width, p.dv + 1) * 4):
-            rows = feature_rows(xp, omega, kind, scale, gerf_a=gerf_a)
+            rows = reference.favor_rows(omega, kind=kind, scale=scale, gerf_a=gerf_a)
             query_features, key_features = numpy_performer.performer_maps(
-                wq, wk, rows, scale=scale, causal=causal, key_mask=key_mask)
+                wq, wk, rows, kind=kind, scale=scale, causal=causal, key_mask=key_mask)
             # eps=0: only a zero denominator (no visible key) gives zeros
             out, _ = numpy_kernel.kernel_attention(
                 wv, query_features=query_features, key_features=key_features, n=p.n,

@@ -21,15 +21,14 @@ import functools
 import math
 from dataclasses import dataclass
 
-import array_api_compat
 import numpy as np
 
 from ._validate import check_choice, check_positive_int, check_qkv, check_scale, check_seed
 from ._xp import to_numpy, xp_from_host
+from .reference import favor_rows
 
 __all__ = ["RandomFeatures", "estimate_kernel", "kernel_variance", "gerf_parameter",
-           "FEATURE_KINDS", "FeatureRows", "as_features", "feature_rows", "check_kind",
-           "resolve_gerf_a"]
+           "FEATURE_KINDS", "as_features", "check_kind", "resolve_gerf_a"]
 
 PROJECTIONS = ("iid", "orthogonal", "identity")
 #: The largest projection drawn on the host (``m * d`` float64 values): more is a typo (an
@@ -255,90 +254,37 @@ def as_features(features, d: int, *, name: str = "features") -> RandomFeatures:
 #   exp kinds:   exp(t - ‖x̃‖²/2)        (positive, hyperbolic, favor++)
 #   trig:        exp(‖x̃‖²/2) sin(t)     (a_f = 0 or π/2 gives sin and cos)
 #   generalized: f(t)                    (relu, or a caller's function; a_f = 0)
-# The same rows serve the dense diagnostic (estimate_kernel) and attention
-# (arrayattn.performer.performer_maps).
+# The rows are arrayattn.reference.favor_rows: they serve the dense diagnostic
+# (estimate_kernel), the reference form and the NumPy engine.
 # ---------------------------------------------------------------------------------
 
 EXP_KINDS = ("positive", "hyperbolic", "favor++")
 
 
-@dataclass(frozen=True)
-class FeatureRows:
-    """The rows of one feature map (see the comment above), on the inputs' device.
-
-    ``w (..., m', d)``, ``a (..., m')`` or ``None`` (zero), ``c (..., m')`` the causal key
-    bound ``max_x̃ (x̃·B ω_f + a_f - ‖x̃‖²/2) = a_f + B²‖ω_f‖²/2`` (exp kinds only), ``log_c``
-    the log of the constant factor per side (a float, or ``(..., 1, 1)`` for favor++).
-    """
-
-    kind: object
-    w: object
-    a: object
-    c: object
-    log_c: object
-
-
-def _phase(xp, m: int, like):
-    dev = array_api_compat.device(like)
-    zero = xp.zeros((m,), dtype=like.dtype, device=dev)
-    return xp.concat([zero, zero + math.pi / 2])
-
-
-def feature_rows(xp, omega, kind, scale: float, *, gerf_a=None) -> FeatureRows:
-    """The :class:`FeatureRows` of ``kind`` for the projection ``omega (m, d)``.
-
-    ``gerf_a`` (favor++ only): the GERF parameter ``A < 1/8``, a float or an array
-    ``(..., 1, 1)`` per batch element (see :func:`gerf_parameter`).
-    """
-    m, d = omega.shape
-    root = math.sqrt(abs(scale))
-    w = omega * root
-    hw = xp.sum(omega * omega, axis=-1) / 2                     # ‖ω_f‖²/2
-    if kind == "positive":
-        return FeatureRows(kind, w, None, hw, -0.5 * math.log(m))
-    if kind == "hyperbolic":
-        return FeatureRows(kind, xp.concat([w, -w]), None, xp.concat([hw, hw]),
-                           -0.5 * math.log(2 * m))
-    if kind == "trig":
-        return FeatureRows(kind, xp.concat([w, w]), _phase(xp, m, omega), None,
-                           -0.5 * math.log(m))
+def _log_constant(xp, kind, m: int, d: int, gerf_a):
+    """The log of the constant factor of ``φ`` per side: ``m^-1/2`` (hyperbolic:
+    ``(2m)^-1/2``), and for favor++ also ``D = (1 - 4A)^{d/4}``."""
+    log_c = -0.5 * math.log(2 * m if kind == "hyperbolic" else m)
     if kind == "favor++":
-        # GERF (Likhosherstov et al. 2022): f(ω, x) = D exp(A‖ω‖² + B ω·x̃ - ‖x̃‖²/2),
-        # B = sqrt(1 - 4A), D = (1 - 4A)^{d/4}: E[f(ω, q) f(ω, k)] = exp(q̃·k̃) for A < 1/4.
         one = 1 - 4 * gerf_a
-        b = one ** 0.5
-        a = gerf_a * (2 * hw) if isinstance(gerf_a, float) else gerf_a[..., 0] * (2 * hw)
-        bb = b if isinstance(b, float) else b[..., 0]
-        w = w * b                                                # (..., m, d) for arrays
-        c = a + bb * bb * hw
-        log_c = (d / 4) * (math.log(one) if isinstance(one, float) else xp.log(one)) \
-            - 0.5 * math.log(m)
-        return FeatureRows(kind, w, a, c, log_c)
-    # generalized kernels: relu or a caller's elementwise function
-    return FeatureRows(kind, w, None, None, -0.5 * math.log(m))
+        log_c = log_c + (d / 4) * (math.log(one) if isinstance(one, float) else xp.log(one))
+    return log_c
 
 
-def _apply_g(xp, rows: FeatureRows, t):
-    """``g(t)`` of the generalized kinds (``t = x·W^T``)."""
-    if rows.kind == "relu":
-        return xp.maximum(t, 0.0)
-    return rows.kind(t)
-
-
-def _parts(xp, x, rows: FeatureRows, scale: float):
+def _parts(xp, x, kind, rows, scale: float, log_c):
     """``(b, l)`` with ``φ(x) = exp(l) b``: ``b (..., t, m')`` bounded (exp kinds: in
-    ``(0, 1]``, trig: in ``[-1, 1]``), ``l (..., t, 1)`` a per-row log-factor."""
-    t = x @ xp.matrix_transpose(rows.w)
-    if rows.a is not None:
-        t = t + xp.expand_dims(rows.a, axis=-2)
-    if rows.kind in EXP_KINDS or rows.kind == "trig":
-        h = xp.sum(x * x, axis=-1, keepdims=True) * (abs(scale) / 2)
-        if rows.kind == "trig":
-            return xp.sin(t), h + rows.log_c
+    ``(0, 1]``, trig: in ``[-1, 1]``), ``l (..., t, 1)`` a per-row log-factor; ``rows``
+    from :func:`arrayattn.reference.favor_rows`."""
+    w, a, _ = rows
+    t = x @ xp.matrix_transpose(w) + a
+    h = xp.sum(x * x, axis=-1, keepdims=True) * (abs(scale) / 2)
+    if kind == "trig":
+        return xp.sin(t), h + log_c
+    if kind in EXP_KINDS:
         top = xp.max(t, axis=-1, keepdims=True)
-        return xp.exp(t - top), top - h + rows.log_c
-    return _apply_g(xp, rows, t), xp.zeros((*t.shape[:-1], 1), dtype=t.dtype,
-                                           device=array_api_compat.device(t)) + rows.log_c
+        return xp.exp(t - top), top - h + log_c
+    g = xp.maximum(t, 0.0) if kind == "relu" else kind(t)
+    return g, xp.zeros_like(h) + log_c
 
 
 def check_kind(kind):
@@ -500,15 +446,16 @@ def estimate_kernel(q, k, features, /, *, kind="positive", scale=None, gerf_a=No
     omega = features.on(xp, dtype=p.work_dtype, device=p.device)
     gerf_a = resolve_gerf_a(xp, kind, gerf_a, q, k, scale, key_mask,
                             work_dtype=p.work_dtype, device=p.device)
-    rows = feature_rows(xp, omega, kind, scale, gerf_a=gerf_a)
+    rows = favor_rows(omega, kind=kind, scale=scale, gerf_a=gerf_a)
+    log_c = _log_constant(xp, kind, features.m, p.d, gerf_a)
     wq = xp.astype(q, p.work_dtype, copy=False)
     if scale < 0:
         wq = -wq
     wk = xp.astype(k, p.work_dtype, copy=False)
     if key_mask is not None:   # padding may hold NaN: a masked key's column is 0
         wk = xp.where(xp.expand_dims(key_mask, axis=-1), wk, 0.0)
-    bq, lq = _parts(xp, wq, rows, scale)
-    bk, lk = _parts(xp, wk, rows, scale)
+    bq, lq = _parts(xp, wq, kind, rows, scale, log_c)
+    bk, lk = _parts(xp, wk, kind, rows, scale, log_c)
     out = (bq @ xp.matrix_transpose(bk)) * xp.exp(lq + xp.matrix_transpose(lk))
     if key_mask is not None:
         out = xp.where(xp.expand_dims(key_mask, axis=-2), out, 0.0)

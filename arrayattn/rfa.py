@@ -17,7 +17,7 @@ with one constant for every pair, to the softmax kernel of the normalised inputs
 temperature :math:`\sigma^2`.  The constant cancels in the attention ratio, so RFA
 estimates ``softmax(q̂ k̂ᵀ / σ²) v``.  The rows ``ω`` are a
 :class:`~arrayattn.random_features.RandomFeatures` (the Performer's host-drawn projection);
-the sin/cos rows are :func:`~arrayattn.random_features.feature_rows` of ``kind="trig"``
+the sin/cos rows are the ``kind="trig"`` rows of ``arrayattn.reference.favor_rows``
 at ``scale = 1/σ²``, without the Performer trig map's ``exp(‖x̃‖²/2)`` factor, which is
 constant for unit vectors.
 

@@ -43,16 +43,17 @@ def _exp_shifted(a, shift):
     return np.exp(a, out=a)
 
 
-def performer_maps(q, k, rows, *, scale: float, causal: bool, key_mask=None):
+def performer_maps(q, k, rows, *, kind, scale: float, causal: bool, key_mask=None):
     """Row-block callables ``(i0, i1) -> φq[..., i0:i1, :]`` and ``(j0, j1) -> φk`` (for
     non-causal exponential kinds ``(φk / exp(shift), shift)``) of the stabilised features.
 
-    ``q``, ``k`` in the working dtype with masked keys zeroed; ``rows`` from
-    :func:`arrayattn.random_features.feature_rows`.  Masked keys get zero features.
+    ``q``, ``k`` in the working dtype with masked keys zeroed; ``rows = (W, a, c)`` from
+    :func:`arrayattn.reference.favor_rows`.  Masked keys get zero features.
     """
-    kind, w = rows.kind, rows.w
+    w, a, c = rows
+    a = None if isinstance(a, float) else a
     wt = np.swapaxes(w, -1, -2)
-    col = lambda x: x[..., None]   # noqa: E731
+    col = lambda x: np.swapaxes(x, -1, -2)   # noqa: E731  (..., 1, m') -> (..., m', 1)
     if scale < 0:
         q = -q
     exp_kind = kind in ("positive", "hyperbolic", "favor++")
@@ -69,7 +70,7 @@ def performer_maps(q, k, rows, *, scale: float, causal: bool, key_mask=None):
     if not exp_kind:
         if kind == "trig":
             kk, hk = keys(0, k.shape[-2])
-            wp = np.swapaxes(_augment(w, col(rows.a)), -1, -2)
+            wp = np.swapaxes(_augment(w, col(a)), -1, -2)
             phi_q = np.sin(_augment(q, 1.0) @ wp)
             sk = np.sin(_augment(kk, 1.0) @ wp)
             if not causal:   # not causal-safe: a key max over the whole sequence
@@ -81,12 +82,11 @@ def performer_maps(q, k, rows, *, scale: float, causal: bool, key_mask=None):
         if keep is not None:
             phi_k = np.where(keep, phi_k, 0.0)
         return rows_of(phi_q), rows_of(phi_k)
-    a = rows.a
     if causal:
         # keys: a_f + B ω_f·k̃ - ‖k̃‖²/2 - c_f = -‖k̃ - B ω_f‖²/2 <= 0 depends on that key
         # alone; queries carry +c_f and are divided by their own row max
-        cq = rows.c if a is None else a + rows.c
-        ck = -rows.c if a is None else a - rows.c
+        cq = c if a is None else a + c
+        ck = -c if a is None else a - c
         wq = np.swapaxes(_augment(w, col(cq)), -1, -2)
         wk = np.swapaxes(_augment(w, -1.0, col(ck)), -1, -2)
 

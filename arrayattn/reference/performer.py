@@ -45,11 +45,14 @@ def favor_rows(omega, *, kind, scale: float, gerf_a=None):
         w = xp.concat([w, -w], axis=0)
     elif kind == "trig":
         w, m = xp.concat([w, w], axis=0), omega.shape[0]
-        a = xp.concat([xp.zeros((m,), dtype=w.dtype, device=device(w)),
-                       xp.full((m,), math.pi / 2, dtype=w.dtype, device=device(w))])
-    elif kind == "favor++":
+        a = xp.concat([xp.zeros((1, m), dtype=w.dtype, device=device(w)),
+                       xp.full((1, m), math.pi / 2, dtype=w.dtype, device=device(w))],
+                      axis=-1)
+    elif kind == "favor++":     # gerf_a: a float or one A per batch element (..., 1, 1)
         w = w * (1 - 4 * gerf_a) ** 0.5
-        a = gerf_a * xp.sum(omega * omega, axis=-1)
+        a = (gerf_a if isinstance(gerf_a, float) else gerf_a[..., 0]) * xp.sum(
+            omega * omega, axis=-1)
+        a = xp.expand_dims(a, axis=-2)
     c = a + xp.expand_dims(xp.sum(w * w, axis=-1), axis=-2) / (2 * abs(scale))
     return w, a, c
 
