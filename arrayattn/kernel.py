@@ -224,11 +224,11 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
     values are zeroed once here (padding may hold NaN or inf).  ``s = 0``: zeros.
     """
     xp = p.xp
-    k, v = reference.zero_masked_keys(key_mask, k, v)
     query_map, key_map = (None, None) if maps is None else maps
     engine_q, engine_k = (query_map, key_map) if engine_maps is None else engine_maps
     m = q.shape[-1] if m is None else m
     with entry(xp):
+        k, v = reference.zero_masked_keys(key_mask, k, v)
         if numpy_engine(xp, math.prod(batch) * (p.n + p.s) * max(m, p.dv + 1) * 4):
             out, sz = numpy_kernel.kernel_attention(
                 v, query_features=numpy_kernel.rows_of(q, engine_q),
@@ -241,7 +241,8 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
             out, sz = reference.kernel_attention(
                 pq, pk, v, causal=causal, key_mask=key_mask, method=method,
                 chunk_size=chunk_size, eps=eps, state=sz0)
-    return xp.astype(out, p.dtype, copy=False), xp.broadcast_to(sz, (*batch, *sz.shape[-2:]))
+    sz = xp.broadcast_to(sz, (*batch, *sz.shape[-2:]))
+    return xp.astype(out, p.dtype, copy=False), sz
 
 
 def _checked_maps(fm: FeatureMap, ref) -> tuple:
@@ -511,7 +512,8 @@ def linear_attention_step(q_t, k_t, v_t, state, /, *, eps=None):
     wq, wk, wv = (xp.astype(x, p.work_dtype, copy=False) for x in (q_t, k_t, v_t))
     if not (fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]):
         fm = FeatureMap(fm.name, *_checked_maps(fm, q_t))
-    out, new = feature_attention_step(fm.query(wq), fm.key(wk), wv, state, eps=eps)
+    with entry(xp):
+        out, new = feature_attention_step(fm.query(wq), fm.key(wk), wv, state, eps=eps)
     return xp.astype(out, p.dtype, copy=False), new
 
 

@@ -152,14 +152,14 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
     xp, wd = p.xp, p.work_dtype
     if p.s == 0:
         return p.zeros()
-    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    # padding may hold anything (NaN, inf): masked keys and values are zeroed once
-    wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
-    omega = features.on(xp, dtype=wd, device=p.device)
-    gerf_a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
-                            work_dtype=wd, device=p.device)
     width = features.m * FEATURE_KINDS.get(kind, 1) if isinstance(kind, str) else features.m
-    with entry(xp):
+    with entry(xp):   # every NumPy call under the engine's lock
+        wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+        # padding may hold anything (NaN, inf): masked keys and values are zeroed once
+        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
+        omega = features.on(xp, dtype=wd, device=p.device)
+        gerf_a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
+                                work_dtype=wd, device=p.device)
         if numpy_engine(xp, math.prod(p.batch) * (p.n + p.s) * max(width, p.dv + 1) * 4):
             rows = reference.favor_rows(omega, kind=kind, scale=scale, gerf_a=gerf_a)
             query_features, key_features = numpy_performer.performer_maps(

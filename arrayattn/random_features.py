@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._engine import entry
 from ._validate import check_choice, check_positive_int, check_qkv, check_scale, check_seed
 from ._xp import to_numpy, xp_from_host
 from .reference import favor_rows
@@ -454,9 +455,10 @@ def estimate_kernel(q, k, features, /, *, kind="positive", scale=None, gerf_a=No
     wk = xp.astype(k, p.work_dtype, copy=False)
     if key_mask is not None:   # padding may hold NaN: a masked key's column is 0
         wk = xp.where(xp.expand_dims(key_mask, axis=-1), wk, 0.0)
-    bq, lq = _parts(xp, wq, kind, rows, scale, log_c)
-    bk, lk = _parts(xp, wk, kind, rows, scale, log_c)
-    out = (bq @ xp.matrix_transpose(bk)) * xp.exp(lq + xp.matrix_transpose(lk))
+    with entry(xp):
+        bq, lq = _parts(xp, wq, kind, rows, scale, log_c)
+        bk, lk = _parts(xp, wk, kind, rows, scale, log_c)
+        out = (bq @ xp.matrix_transpose(bk)) * xp.exp(lq + xp.matrix_transpose(lk))
     if key_mask is not None:
         out = xp.where(xp.expand_dims(key_mask, axis=-2), out, 0.0)
     return xp.astype(out, p.dtype, copy=False)
@@ -520,7 +522,8 @@ def kernel_variance(q, k, /, *, num_features, kind="positive", scale=None, gerf_
     if scale < 0:
         wq = -wq
     wk = xp.astype(k, p.work_dtype, copy=False) * math.sqrt(abs(scale))
-    xy = wq @ xp.matrix_transpose(wk)
+    with entry(xp):
+        xy = wq @ xp.matrix_transpose(wk)
     nq = xp.sum(wq * wq, axis=-1, keepdims=True)
     nk = xp.matrix_transpose(xp.sum(wk * wk, axis=-1, keepdims=True))
     if kind == "trig":

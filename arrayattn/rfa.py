@@ -271,10 +271,10 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
     eps = check_eps(eps, xp, wd)
     if p.s == 0:
         return p.zeros()
-    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    wk, wv = reference.zero_masked_keys(key_mask, wk, wv)   # padding may hold NaN or inf
     omega = features.on(xp, dtype=wd, device=dev)
     with entry(xp):
+        wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)   # padding may hold NaN/inf
         # φ(q)·φ(k) carries the factor 1/m (both m^-1/2), put on the query side, so that
         # the denominator compared with eps is the documented one
         phi_q = reference.random_fourier_features(wq, omega, sigma=sigma) * (

@@ -82,7 +82,8 @@ def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="ch
     every query).  ``method`` picks the causal form; all are equal to rounding."""
     xp = array_namespace(phi_q, phi_k, v)
     phi_k, v = zero_masked_keys(key_mask, phi_k, v)   # in neither numerator nor denominator
-    v1 = xp.concat([v, xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=device(v))], axis=-1)
+    ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=device(v))
+    v1 = xp.concat([v, ones], axis=-1)       # [v, 1]: the last column is the denominator
     sz0 = xp.matrix_transpose(phi_k[..., :0, :]) @ v1[..., :0, :]   # the sum over no keys
     sz0 = sz0 if state is None else sz0 + state
     if not causal:
@@ -93,8 +94,9 @@ def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="ch
         sz0 = sz0 + xp.matrix_transpose(phi_k[..., :s - n, :]) @ v1[..., :s - n, :]
         phi_k, v1 = phi_k[..., s - n:, :], v1[..., s - n:, :]
     elif n > s:      # queries before the first key: zero keys in front (they add nothing)
-        phi_k, v1 = (xp.concat([xp.zeros((*x.shape[:-2], n - s, x.shape[-1]), dtype=x.dtype,
-                                         device=device(x)), x], axis=-2) for x in (phi_k, v1))
+        phi_k, v1 = (xp.concat([xp.zeros((*x.shape[:-2], n - s, x.shape[-1]),
+                                         dtype=x.dtype, device=device(x)), x], axis=-2)
+                     for x in (phi_k, v1))
     if n == 0:
         num, sz = phi_q @ sz0, sz0
     elif method == "recurrent":

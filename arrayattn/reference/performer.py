@@ -75,8 +75,8 @@ def performer_features(q, k, omega, *, kind, scale: float, causal=False, key_mas
         top = xp.max(e, axis=-2, keepdims=True)
         return xp.where(top == -xp.inf, 0.0, top)
 
-    if kind == "trig":      # exp(‖x̃‖²/2) [sin, cos]: the query factor cancels
-        phi_q = xp.sin(tq)  # causal keeps exp(‖k̃‖²/2) unshifted (no key max over the future)
+    if kind == "trig":      # exp(‖x̃‖²/2) [sin, cos]: the query factor cancels; causal
+        phi_q = xp.sin(tq)  # keeps exp(‖k̃‖²/2) unshifted (no key max over the future)
         phi_k = xp.sin(tk) * xp.exp(hk if causal else hk - key_max(hk))
     elif kind in ("positive", "hyperbolic", "favor++"):
         if causal:          # each key within its own bound c_f; exp(c_f) to the queries
