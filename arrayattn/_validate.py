@@ -16,7 +16,7 @@ from ._xp import compute_dtype, xp_device, xp_namespace
 
 __all__ = ["Problem", "check_array", "check_qkv", "check_key_mask", "check_mask",
            "check_positive_int", "check_scale", "check_choice", "check_no_causal",
-           "check_same_array_kind", "check_flag", "check_seed"]
+           "check_same_array_kind", "check_flag", "check_seed", "broadcast_batch"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,10 @@ def _broadcast_batch(named_shapes: list[tuple[str, tuple]]) -> tuple:
         raise ValueError(
             f"leading (batch) dimensions do not broadcast: {desc}"
         ) from None
+
+
+#: The package-level name of :func:`_broadcast_batch` (for other modules).
+broadcast_batch = _broadcast_batch
 
 
 def _check_float(xp, name: str, x) -> None:

@@ -22,14 +22,15 @@ with :math:`t = a^2\, q\cdot k` for the Taylor map (second-order Taylor expansio
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Callable
 
-from ._parallel import exp_shifted_, update_
+import array_api_compat
+
 from ._xp import xp_device, xp_namespace
 
-__all__ = ["FeatureMap", "get_feature_map", "taylor_feature_map", "FEATURE_MAPS"]
+__all__ = ["FeatureMap", "get_feature_map", "taylor_feature_map", "FEATURE_MAPS",
+           "elu_plus_one", "relu", "cosine_features"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class FeatureMap:
         if dtype is None:
             dtype = xp.float64
         probe = self.query(xp.zeros((1, d), dtype=dtype, device=device))
+        if not array_api_compat.is_array_api_obj(probe) or probe.ndim < 1:
+            raise TypeError(f"feature_map's query map output must be an array with a "
+                            f"feature axis; got {type(probe).__name__}")
         return int(probe.shape[-1])
 
 
@@ -85,8 +89,7 @@ def elu_plus_one(x):
     xp = xp_namespace(x)
     # exp(min(x, 0)) + max(x, 0): one branch is exactly 0 (x > 0: 1 + x; else e^x + 0),
     # nothing overflows, and no boolean temporary is needed.
-    return update_(xp, exp_shifted_(xp, xp.clip(x, max=0.0)), operator.add,
-                   xp.clip(x, min=0.0))
+    return xp.exp(xp.clip(x, max=0.0)) + xp.clip(x, min=0.0)
 
 
 def relu(x):
@@ -144,8 +147,9 @@ def taylor_feature_map(input_scale: float = 1.0) -> FeatureMap:
     if isinstance(input_scale, bool) or not isinstance(input_scale, (int, float)):
         raise TypeError(f"input_scale must be a real number; got {input_scale!r}")
     a = float(input_scale)
-    if not math.isfinite(a) or a == 0.0:
-        raise ValueError(f"input_scale must be finite and non-zero; got {input_scale}")
+    if not (math.isfinite(a) and a > 0.0):
+        raise ValueError(f"input_scale must be a finite number > 0 (the kernel depends on "
+                         f"a^2 only); got {input_scale}")
 
     def phi(x):
         return _taylor(x, a)

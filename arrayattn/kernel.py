@@ -21,28 +21,26 @@ calls it.  Efficient attention (Shen et al. 2021) is :func:`efficient_attention`
 """
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
 
-from ._validate import (Problem, _broadcast_batch, check_choice, check_key_mask,
-                        check_no_causal, check_positive_int, check_qkv,
-                        check_same_array_kind)
-from ._parallel import (cumulative_sum_, map_rows, matmul_into, parallel_map, split_rows,
-                        update_, zero_where_)
-from ._xp import compute_dtype, xp_device
-from .exact import masked_softmax, merge_blocks
-from .feature_maps import FeatureMap, get_feature_map
+from . import reference
+from ._numpy import kernel as numpy_kernel
+from ._engine import entry, numpy_engine
+from ._validate import (Problem, broadcast_batch, check_array, check_choice,
+                        check_flag, check_key_mask, check_no_causal, check_positive_int,
+                        check_qkv, check_same_array_kind)
+from ._xp import compute_dtype
+from .feature_maps import FEATURE_MAPS, FeatureMap, get_feature_map
 from .registry import Variant, register
 
 __all__ = [
     "LinearAttentionState", "feature_attention", "feature_attention_step",
     "linear_attention", "linear_attention_state", "linear_attention_step",
-    "efficient_attention",
+    "efficient_attention", "check_eps",
 ]
 
 CAUSAL_METHODS = ("recurrent", "cumsum", "chunked")
@@ -88,76 +86,6 @@ class LinearAttentionState:
         return tuple(self.S.shape[:-2])
 
 
-# ---------------------------------------------------------------------------------------
-# Core: causal forms on features.  Values are augmented with a column of ones, so that
-# numerator and denominator come out of the same products: phi_q (phi_k^T [v, 1]).
-# The augmented state is Sz = [S, z] of shape (..., m, dv + 1).
-# ---------------------------------------------------------------------------------------
-
-def _recurrent(xp, pq, pk, v1, sz0, device):
-    """The RNN recurrence ``Sz_t = Sz_{t-1} + phi(k_t) [v_t, 1]^T``, one token at a time.
-
-    Token ``t`` is taken with an index *array* (``take``), not a static slice, so that a
-    library compiling each operation per static argument (JAX in eager mode) compiles
-    the step once, not once per token.
-    """
-    sz = sz0
-    outs = []
-    for t in range(pq.shape[-2]):
-        idx = xp.asarray([t], device=device)
-        kt, vt, qt = (xp.take(x, idx, axis=-2) for x in (pk, v1, pq))
-        sz = sz + xp.matrix_transpose(kt) @ vt          # outer product phi(k_t) [v_t, 1]^T
-        outs.append(qt @ sz)
-    return (outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)), sz
-
-
-def _cumsum(xp, pq, pk, v1, sz0):
-    """Cumulative sum of every token's outer product: materialises ``(..., n, m, dv+1)``."""
-    outer = pk[..., :, :, None] * v1[..., :, None, :]
-    sz = xp.cumulative_sum(xp.concat([sz0[..., None, :, :], outer], axis=-3), axis=-3)
-    sz = sz[..., 1:, :, :]
-    num = (pq[..., :, None, :] @ sz)[..., 0, :]
-    return num, sz[..., -1, :, :]
-
-
-def _chunked(xp, pq, pk, v1, sz0, chunk: int, device):
-    """Quadratic within chunks of ``chunk`` tokens; the state before each chunk is an
-    exclusive cumulative sum over chunks of ``phi(K_c)^T [V_c, 1]``
-    (:func:`_chunked_blocks` on whole features; ``n == s`` here)."""
-    return _chunked_blocks(
-        xp, lambda i0, i1: (pq[..., i0:i1, :], pk[..., i0:i1, :]), rows_of(v1), sz0,
-        pq.shape[-2], chunk=chunk, batch=tuple(pq.shape[:-2]), finish=lambda num: num,
-        width=v1.shape[-1],
-        row_bytes=math.prod(pq.shape[:-2]) * (pq.shape[-1] + v1.shape[-1]) * 4, dev=device)
-
-
-def _causal(xp, pq, pk, v1, sz0, *, method, chunk, device):
-    """Causal numerators ``(..., n, dv+1)`` and the final state, end-aligned."""
-    n, s = pq.shape[-2], pk.shape[-2]
-    shift = s - n
-    lead = None
-    if shift > 0:
-        # Keys before the first query's position are seen by every query: fold them
-        # into the initial state.
-        sz0 = sz0 + xp.matrix_transpose(pk[..., :shift, :]) @ v1[..., :shift, :]
-        pk, v1 = pk[..., shift:, :], v1[..., shift:, :]
-    elif shift < 0:
-        # The first -shift queries come before every key: they see the state only.
-        lead = pq[..., :-shift, :] @ sz0
-        pq = pq[..., -shift:, :]
-    if pq.shape[-2] == 0:
-        num, sz = None, sz0
-    elif method == "recurrent":
-        num, sz = _recurrent(xp, pq, pk, v1, sz0, device)
-    elif method == "cumsum":
-        num, sz = _cumsum(xp, pq, pk, v1, sz0)
-    else:
-        num, sz = _chunked(xp, pq, pk, v1, sz0, chunk, device)
-    if lead is not None:
-        num = lead if num is None else xp.concat([lead, num], axis=-2)
-    return num, sz
-
-
 def _check_state(p: Problem, state, ref, m: int) -> tuple:
     """Validate a state against features of dimension ``m``; returns the batch shape."""
     if not isinstance(state, LinearAttentionState):
@@ -174,7 +102,7 @@ def _check_state(p: Problem, state, ref, m: int) -> tuple:
             f"state is in {state.S.dtype} but inputs of dtype {p.dtype} are computed in "
             f"{p.work_dtype}; make the state with that dtype"
         )
-    return _broadcast_batch([("inputs", p.batch), ("state", tuple(state.S.shape[:-2]))])
+    return broadcast_batch([("inputs", p.batch), ("state", tuple(state.S.shape[:-2]))])
 
 
 def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=None,
@@ -265,19 +193,18 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     True
     """
     p = check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
+    causal = check_flag("causal", causal)
+    return_state = check_flag("return_state", return_state)
     chunk_size, method, eps = _check_options(p, phi_q, key_mask, chunk_size, method, eps)
     xp, wd, m = p.xp, p.work_dtype, p.d
     batch = p.batch if state is None else _check_state(p, state, phi_q, m)
     sz0 = None
     if state is not None:
-        sz0 = xp.broadcast_to(xp.concat([state.S, state.z[..., None]], axis=-1),
-                              (*batch, m, p.dv + 1))
+        sz0 = xp.concat([state.S, state.z[..., None]], axis=-1)
     pq, pk, wv = (xp.astype(x, wd, copy=False) for x in (phi_q, phi_k, v))
-    out, sz = _kernel_attention(
-        xp, wv, query_features=rows_of(pq), key_features=rows_of(pk), n=p.n, s=p.s,
-        batch=batch, causal=causal, key_mask=key_mask, method=method, chunk=chunk_size,
-        sz0=sz0, eps=eps)
-    out = xp.astype(out, p.dtype, copy=False)
+    out, sz = _kernel_dispatch(
+        p, pq, pk, wv, batch=batch, causal=causal, key_mask=key_mask, method=method,
+        chunk_size=chunk_size, eps=eps, sz0=sz0)
     if not return_state:
         return out
     num_tokens = p.s + (0 if state is None else state.num_tokens)
@@ -285,171 +212,66 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
                                      None if state is None else state.feature_map)
 
 
-def _check_width(mq: int, mk: int):
-    if mq != mk:
-        raise ValueError(
-            f"phi_k has d={mk} but phi_q has d={mq}: the feature map must give queries and "
-            "keys the same number of features")
+def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
+                              chunk_size, eps, sz0=None, maps=None, engine_maps=None,
+                              m=None):
+    """Kernel attention on validated inputs in the working dtype, NumPy engine or
+    reference form (chosen once): ``(out in p.dtype, Sz (*batch, m, dv + 1))``.
 
-
-def _check_features(pq, pk, rows_q: int, rows_k: int):
-    """A feature map must keep the rows and give queries and keys one width and dtype."""
-    _check_width(pq.shape[-1], pk.shape[-1])
-    if pq.shape[-2] != rows_q or pk.shape[-2] != rows_k or pq.dtype != pk.dtype:
-        raise ValueError(
-            f"the feature map turned {rows_q} query rows into phi_q {tuple(pq.shape)} "
-            f"({pq.dtype}) and {rows_k} key rows into phi_k {tuple(pk.shape)} ({pk.dtype});"
-            " a map must act on the last axis only and give queries and keys one dtype")
-
-
-def _kernel_attention(xp, v, *, query_features, key_features, n: int, s: int, batch,
-                      causal, key_mask, method, chunk, sz0, eps, m: int | None = None,
-                      shifted_keys: bool = False):
-    """Kernel attention on features made block by block.
-
-    ``query_features(i0, i1)`` and ``key_features(j0, j1)`` return the features of those
-    query and key rows (a slice of given features, or a map applied to a slice of the
-    inputs: maps act on the last axis only, so rows split freely).  Each row is asked
-    for exactly once, so the callables may consume temporaries of their caller in place.
-    On NumPy the key rows, then the query rows, are cut into one block per thread
-    (:mod:`arrayattn._parallel`) and no block's features are ever concatenated.  ``v`` is
-    in the working dtype.  Returns ``(out, Sz)`` with ``Sz = [S, z]`` the final state
-    ``(..., m, dv + 1)``.
-
-    With ``shifted_keys`` (non-causal only) ``key_features`` returns ``(features, shift)``:
-    features divided by ``exp(shift)``, ``shift (..., 1, 1)`` one stabiliser per block.  The
-    block states are then merged as the online softmax merges blocks,
-    ``Sz = sum_b exp(shift_b - max_b shift_b) Sz_b``: the same as one global shift, in one
-    pass over the keys.  ``m`` (the feature count, when known) sizes the blocks.
+    ``maps = (phi_q, phi_k)`` are applied to ``q`` and ``k`` (features when ``None``);
+    ``engine_maps`` the same maps for the NumPy engine (default ``maps``); ``m`` is the
+    feature width when known (sizes the engine's blocks).  Masked keys and
+    values are zeroed once here (padding may hold NaN or inf).  ``s = 0``: zeros.
     """
-    wd, dev = v.dtype, xp_device(v)
-    itemsize = 8 if wd == xp.float64 else 4
-    row_bytes = math.prod(batch) * max(m or 0, v.shape[-1] + 1) * itemsize
-    keep = None if key_mask is None else key_mask[..., None]
-
-    def masked_key_features(j0, j1):
-        """``(features, shift)`` of key rows ``j0:j1`` (``shift`` None unless
-        ``shifted_keys``), masked keys' features zeroed."""
-        pk, shift = key_features(j0, j1) if shifted_keys else (key_features(j0, j1), None)
-        if keep is not None:
-            pk = xp.where(keep[..., j0:j1, :], pk, 0.0)
-        return pk, shift
-
-    def values1(j0, j1):
-        # Augment v with ones: the last output column is the denominator.  Masked values
-        # are zeroed too: padding may hold inf/NaN, and 0 * inf = NaN.
-        vb = v[..., j0:j1, :]
-        if keep is not None:
-            vb = xp.where(keep[..., j0:j1, :], vb, 0.0)
-        return xp.concat([vb, xp.ones((*vb.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)
-
-    def features(i0, i1):
-        pq, pk = query_features(i0, i1), masked_key_features(i0, i1)[0]
-        _check_features(pq, pk, i1 - i0, i1 - i0)
-        return pq, pk
-
-    if shifted_keys and causal:
-        raise ValueError("per-block key shifts are not causal-safe")
-    if not causal:
-        def key_block(rows):
-            pk, shift = masked_key_features(*rows)
-            return xp.matrix_transpose(pk) @ values1(*rows), shift
-
-        parts = parallel_map(xp, key_block, split_rows(xp, s, row_bytes=row_bytes))
-        states = [kv for kv, _ in parts]
-        kv = merge_blocks(xp, states, [shift for _, shift in parts]) if shifted_keys else \
-            functools.reduce(operator.add, states)
-        sz = kv if sz0 is None else sz0 + kv
-
-        def query_block(rows, out):
-            pq = query_features(*rows)
-            _check_width(pq.shape[-1], sz.shape[-2])
-            return _divide(xp, matmul_into(xp, pq, sz, "num"), eps)
-
-        return map_rows(xp, query_block, split_rows(xp, n, row_bytes=row_bytes),
-                        shape=(*batch, n, v.shape[-1]), dtype=wd), sz
-    if method == "chunked" and n == s:
-        return _chunked_blocks(xp, features, values1, sz0, n, chunk=chunk, batch=batch,
-                               finish=lambda num: _divide(xp, num, eps), width=v.shape[-1],
-                               row_bytes=row_bytes, dev=dev)
-    pq, pk = query_features(0, n), masked_key_features(0, s)[0]
-    _check_features(pq, pk, n, s)
-    if sz0 is None:
-        sz0 = xp.zeros((*batch, pq.shape[-1], v.shape[-1] + 1), dtype=wd, device=dev)
-    shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
-    pq, pk, v1 = (xp.broadcast_to(x, shape(x)) for x in (pq, pk, values1(0, s)))
-    num, sz = _causal(xp, pq, pk, v1, sz0, method=method, chunk=chunk, device=dev)
-    return _divide(xp, num, eps), sz
+    xp = p.xp
+    query_map, key_map = (None, None) if maps is None else maps
+    engine_q, engine_k = (query_map, key_map) if engine_maps is None else engine_maps
+    m = q.shape[-1] if m is None else m
+    with entry(xp):
+        k, v = reference.zero_masked_keys(key_mask, k, v)
+        if numpy_engine(xp, math.prod(batch) * (p.n + p.s) * max(m, p.dv + 1) * 4):
+            out, sz = numpy_kernel.kernel_attention(
+                v, query_features=numpy_kernel.rows_of(q, engine_q),
+                key_features=numpy_kernel.rows_of(k, engine_k), n=p.n, s=p.s, batch=batch,
+                causal=causal, key_mask=key_mask, method=method, chunk=chunk_size,
+                sz0=sz0, eps=eps, m=m)
+        else:
+            pq = q if query_map is None else query_map(q)
+            pk = k if key_map is None else key_map(k)
+            out, sz = reference.kernel_attention(
+                pq, pk, v, causal=causal, key_mask=key_mask, method=method,
+                chunk_size=chunk_size, eps=eps, state=sz0)
+    sz = xp.broadcast_to(sz, (*batch, *sz.shape[-2:]))
+    return xp.astype(out, p.dtype, copy=False), sz
 
 
-def rows_of(x, f=None):
-    """``(i0, i1) -> f(x[..., i0:i1, :])`` (``f`` = identity when ``None``): the row-block
-    feature callable of :func:`_kernel_attention` for a map ``f`` applied to ``x``."""
-    if f is None:
-        return lambda i0, i1: x[..., i0:i1, :]
-    return lambda i0, i1: f(x[..., i0:i1, :])
+def _checked_maps(fm: FeatureMap, ref) -> tuple:
+    """The query and key maps of ``fm`` with their outputs checked: arrays of ``ref``'s
+    library, the rows and dtype kept, one width for both (a map returning something
+    else fails here, by name, not deep inside a product)."""
+    widths: dict = {}
 
-
-def _chunked_blocks(xp, features, values1, sz0, n: int, *, chunk: int, batch, finish,
-                    width: int, row_bytes: int, dev):
-    """The chunked causal form (``n == s``) over blocks of whole chunks, in two passes.
-
-    Pass 1, per block (in parallel on NumPy): features, per-chunk states
-    ``phi(K_c)^T [V_c, 1]``, the masked within-chunk products and the block's total.
-    Between the passes the block totals are summed into each block's starting state.
-    Pass 2, per block: the exclusive cumulative sum of the chunk states (the state
-    before each chunk: a chunk's own keys, some in the future of its queries, never
-    enter it) and the numerators ``(..., rows, dv + 1)``, passed through ``finish``.
-    ``features(i0, i1)`` gives ``(phi_q, phi_k)`` of rows ``i0:i1``, ``values1`` the
-    values with their column of ones; ``sz0=None`` starts from a zero state; ``width``
-    is the number of columns ``finish`` leaves.
-    """
-    c = min(chunk, n)
-    future = ~xp.tril(xp.ones((c, c), dtype=xp.bool, device=dev))
-
-    def pass1(rows):
-        i0, i1 = rows
-        pq, pk = features(i0, i1)
-        v1 = values1(i0, i1)
-        shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
-        pq, pk, v1 = (xp.broadcast_to(x, shape(x)) for x in (pq, pk, v1))
-        nc = -(-(i1 - i0) // c)
-        pad = nc * c - (i1 - i0)
-        if pad:
-            # Zero rows at the end: zero keys add nothing, the padded queries are dropped.
-            def zpad(x):
-                z = xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype, device=dev)
-                return xp.concat([x, z], axis=-2)
-            pq, pk, v1 = zpad(pq), zpad(pk), zpad(v1)
-        qc, kc, vc = (xp.reshape(x, (*batch, nc, c, x.shape[-1])) for x in (pq, pk, v1))
-        kv = xp.matrix_transpose(kc) @ vc                      # (..., nc, m, dv+1)
-        a = qc @ xp.matrix_transpose(kc)                        # (..., nc, c, c)
-        a = zero_where_(xp, a, future)
-        return qc, kv, a @ vc, xp.sum(kv, axis=-3)
-
-    # A row of a block holds features, values and c within-chunk scores.
-    blocks = split_rows(xp, n, row_bytes=row_bytes + 4 * math.prod(batch) * c, align=c)
-    first = parallel_map(xp, pass1, blocks)
-    if sz0 is None:
-        sz0 = xp.zeros(first[0][3].shape, dtype=first[0][3].dtype, device=dev)
-    starts = [sz0]
-    for _, _, _, total in first:
-        starts.append(starts[-1] + total)
-
-    index = {rows: b for b, rows in enumerate(blocks)}
-
-    def pass2(rows, out):
-        b = index[rows]
-        qc, kv, within, _ = first[b]
-        before = xp.concat([starts[b][..., None, :, :], kv[..., :-1, :, :]], axis=-3)
-        before = cumulative_sum_(xp, before, axis=-3)
-        num = update_(xp, qc @ before, operator.add, within)
-        i0, i1 = rows
-        num = xp.reshape(num, (*num.shape[:-3], -1, num.shape[-1]))[..., :i1 - i0, :]
-        return finish(num)
-
-    return (map_rows(xp, pass2, blocks, shape=(*batch, n, width), dtype=sz0.dtype),
-            starts[-1])
+    def checked(f, which):
+        def phi(x):
+            out = f(x)
+            name = f"feature_map's {which} map output"
+            check_array(name, out, min_ndim=1)
+            check_same_array_kind(None, which + "s", ref, name, out)
+            if out.ndim != x.ndim or tuple(out.shape[:-1]) != tuple(x.shape[:-1]):
+                raise ValueError(
+                    f"feature_map's {which} map turned {which}s of shape {tuple(x.shape)} "
+                    f"into {tuple(out.shape)}; a map must act on the last axis only")
+            if out.dtype != x.dtype:
+                raise TypeError(f"feature_map's {which} map returned dtype {out.dtype} "
+                                f"for {which}s of dtype {x.dtype}")
+            widths[which] = out.shape[-1]
+            if widths.get("query", out.shape[-1]) != widths.get("key", out.shape[-1]):
+                raise ValueError(
+                    f"phi_k has d={widths['key']} but phi_q has d={widths['query']}: the "
+                    "feature map must give queries and keys the same number of features")
+            return out
+        return phi
+    return checked(fm.query, "query"), checked(fm.key, "key")
 
 
 def _check_options(p: Problem, ref, key_mask, chunk_size, method, eps):
@@ -459,10 +281,10 @@ def _check_options(p: Problem, ref, key_mask, chunk_size, method, eps):
     chunk_size = check_positive_int("chunk_size", chunk_size)
     method = "chunked" if method is None else check_choice("method", method,
                                                            CAUSAL_METHODS)
-    return chunk_size, method, _check_eps(eps, p.xp, p.work_dtype)
+    return chunk_size, method, check_eps(eps, p.xp, p.work_dtype)
 
 
-def _check_eps(eps, xp, wd) -> float:
+def check_eps(eps, xp, wd) -> float:
     """``eps`` as a float; ``None`` is the smallest positive normal number of ``wd``."""
     if eps is None:
         return float(xp.finfo(wd).smallest_normal)
@@ -470,15 +292,6 @@ def _check_eps(eps, xp, wd) -> float:
             math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0 or None; got {eps!r}")
     return float(eps)
-
-
-def _divide(xp, num, eps: float):
-    """``num[..., :-1] / num[..., -1:]``; rows with ``|den| <= eps`` -> 0."""
-    den = num[..., -1:]
-    # A guarded row divides by +inf: finite / inf = 0 exactly, one where on (..., n, 1).
-    # num is the caller's temporary: divided in place where that is possible.
-    safe = xp.where(xp.abs(den) > eps, den, xp.inf)
-    return update_(xp, num, operator.truediv, safe)[..., :-1]
 
 
 def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
@@ -519,9 +332,7 @@ def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
     True
     """
     for name, x in (("phi_q_t", phi_q_t), ("phi_k_t", phi_k_t), ("v_t", v_t)):
-        if x.ndim < 1:
-            raise ValueError(f"{name} must have at least 1 dimension (..., features); "
-                             f"got shape {tuple(x.shape)}")
+        check_array(name, x, min_ndim=1)
     out, new = feature_attention(phi_q_t[..., None, :], phi_k_t[..., None, :],
                                  v_t[..., None, :], causal=True, eps=eps,
                                  method="recurrent", return_state=True, state=state)
@@ -584,16 +395,22 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
     True
     """
     p = check_qkv(q, k, v)
+    causal = check_flag("causal", causal)
+    return_state = check_flag("return_state", return_state)
     chunk_size, method, eps = _check_options(p, q, key_mask, chunk_size, method, eps)
     fm = get_feature_map(feature_map)
     xp, wd = p.xp, p.work_dtype
-    # The maps are applied block by block inside (they act on the last axis only).
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    out, sz = _kernel_attention(
-        xp, wv, query_features=rows_of(wq, fm.query), key_features=rows_of(wk, fm.key),
-        n=p.n, s=p.s, batch=p.batch, causal=causal, key_mask=key_mask, method=method,
-        chunk=chunk_size, sz0=None, eps=eps)
-    out = xp.astype(out, p.dtype, copy=False)
+    if fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]:
+        maps = (fm.query, fm.key)
+    else:
+        maps = _checked_maps(fm, q)
+    # the engine's elu+1 makes one temporary less
+    engine_maps = (numpy_kernel.elu_plus_one_,) * 2 if fm is FEATURE_MAPS["elu+1"] else maps
+    m = fm.dim(p.d) if fm.dim is not None else None
+    out, sz = _kernel_dispatch(
+        p, wq, wk, wv, batch=p.batch, causal=causal, key_mask=key_mask, method=method,
+        chunk_size=chunk_size, eps=eps, maps=maps, engine_maps=engine_maps, m=m)
     if not return_state:
         return out
     return out, LinearAttentionState(sz[..., :-1], sz[..., -1], p.s, fm)
@@ -627,6 +444,11 @@ def linear_attention_state(xp, batch_shape, d, dv, /, *, feature_map="elu+1", dt
     >>> st.S.shape, st.z.shape, st.num_tokens, st.feature_map.name
     ((2, 3, 5, 5), (2, 3, 5), 0, 'cosine')
     """
+    if (isinstance(xp, str) or array_api_compat.is_array_api_obj(xp)
+            or not callable(getattr(xp, "asarray", None))
+            or not callable(getattr(xp, "zeros", None))):
+        raise TypeError(f"xp must be an array namespace (the module, e.g. numpy, torch, "
+                        f"jax.numpy, cupy, array_api_strict); got {xp!r:.80}")
     fm = get_feature_map(feature_map)
     d = check_positive_int("d", d)
     dv = check_positive_int("dv", dv)
@@ -682,11 +504,16 @@ def linear_attention_step(q_t, k_t, v_t, state, /, *, eps=None):
         raise TypeError("state must be a LinearAttentionState made by "
                         "linear_attention_state or linear_attention(return_state=True)")
     fm = state.feature_map
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        check_array(name, x, min_ndim=1)
     p = check_qkv(q_t[..., None, :], k_t[..., None, :], v_t[..., None, :],
                   names=("q_t", "k_t", "v_t"))
     xp = p.xp
     wq, wk, wv = (xp.astype(x, p.work_dtype, copy=False) for x in (q_t, k_t, v_t))
-    out, new = feature_attention_step(fm.query(wq), fm.key(wk), wv, state, eps=eps)
+    if not (fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]):
+        fm = FeatureMap(fm.name, *_checked_maps(fm, q_t))
+    with entry(xp):
+        out, new = feature_attention_step(fm.query(wq), fm.key(wk), wv, state, eps=eps)
     return xp.astype(out, p.dtype, copy=False), new
 
 
@@ -731,18 +558,17 @@ def efficient_attention(q, k, v, /, *, causal=False, key_mask=None):
     >>> bool(np.allclose(out, 1.0))
     True
     """
-    check_no_causal(causal, "efficient_attention",
+    check_no_causal(check_flag("causal", causal), "efficient_attention",
                     "its softmax over the keys normalises each feature over the whole "
                     "sequence, so every output depends on every (also future) key")
     p = check_qkv(q, k, v)
     check_key_mask(p, key_mask, q)
+    if p.s == 0:
+        return p.zeros()
     xp = p.xp
-    wq = xp.astype(q, p.work_dtype, copy=False)
-    wk = xp.astype(k, p.work_dtype, copy=False)
-    wv = xp.astype(v, p.work_dtype, copy=False)
-    rq = masked_softmax(xp, wq, None, axis=-1)
-    rk = masked_softmax(xp, wk, None if key_mask is None else key_mask[..., None], axis=-2)
-    out = rq @ (xp.matrix_transpose(rk) @ wv)
+    wq, wk, wv = (xp.astype(x, p.work_dtype, copy=False) for x in (q, k, v))
+    with entry(xp):   # the reference form on every backend (it is three products)
+        out = reference.efficient_attention(wq, wk, wv, key_mask=key_mask)
     return xp.astype(out, p.dtype, copy=False)
 
 

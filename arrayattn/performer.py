@@ -29,137 +29,22 @@ Every factor that is removed from the features cancels in the ratio; nothing is 
 """
 from __future__ import annotations
 
+import math
 
-import array_api_compat
-import numpy as np
-
-from ._validate import (check_choice, check_key_mask, check_positive_int, check_qkv,
-                        check_scale)
-from .random_features import (EXP_KINDS, NORMS, PROJECTIONS, FeatureRows, RandomFeatures,
-                              _apply_g, as_features, check_kind, feature_rows,
-                              resolve_gerf_a)
-from ._parallel import exp_shifted_
-from .kernel import _kernel_attention, rows_of
+from . import reference
+from ._engine import entry, numpy_engine
+from ._numpy import kernel as numpy_kernel
+from ._numpy import performer as numpy_performer
+from ._validate import (check_choice, check_flag, check_key_mask, check_positive_int,
+                        check_qkv, check_scale, check_seed)
+from .random_features import (EXP_KINDS, FEATURE_KINDS, NORMS, PROJECTIONS, RandomFeatures,
+                              as_features, check_kind, resolve_gerf_a)
 from .registry import Variant, register
 
-__all__ = ["performer_attention", "performer_maps"]
+__all__ = ["performer_attention"]
 
 
-#: Stands in for +inf in sums that go through a matmul: ``exp(-_BIG) == 0`` exactly in every
-#: float dtype, and BLAS never sees an inf (``0 * inf`` would give NaN).
-_BIG = 1e30
-
-
-def _augment(xp, x, *cols):
-    """``[x, c_1, c_2, ...]`` along the last axis (batch dims broadcast); a Python float
-    ``c`` is a constant column."""
-    batch = tuple(x.shape[:-1])
-    for c in cols:
-        if not isinstance(c, float):
-            batch = tuple(np.broadcast_shapes(batch, tuple(c.shape[:-1])))
-    parts = [xp.broadcast_to(x, (*batch, x.shape[-1]))]
-    for c in cols:
-        if isinstance(c, float):
-            c = xp.full((*batch, 1), c, dtype=x.dtype, device=array_api_compat.device(x))
-        parts.append(xp.broadcast_to(c, (*batch, c.shape[-1])))
-    return xp.concat(parts, axis=-1)
-
-
-def _col(xp, v):
-    """A per-row vector ``(..., m')`` as a column ``(..., m', 1)``."""
-    return xp.expand_dims(v, axis=-1)
-
-
-def performer_maps(xp, q, k, rows: FeatureRows, *, scale: float, causal: bool,
-                   key_mask=None):
-    """Row-block callables ``(i0, i1) -> φq[..., i0:i1, :]`` and
-    ``(j0, j1) -> φk[..., j0:j1, :]`` of the stabilised features for attention.
-
-    ``φq_i·φk_j = c_i C K̂_ij`` with ``K̂`` the random-feature estimate of the kernel, a
-    per-query factor ``c_i`` and a global ``C`` (both cancel in the attention ratio; module
-    docstring).  Masked keys get all-zero features.  ``q, k`` are in the working dtype;
-    ``rows`` from :func:`arrayattn.random_features.feature_rows`.
-
-    The features are made block by block (in parallel threads on NumPy) and never held
-    whole.  Additive terms of an exponent are folded into the projection matmul as extra
-    columns (``[k, ‖k̃‖²/2, 1] @ [W, -1, a - c]^T``) or subtracted with the shift in the
-    one pass before ``exp``.  Non-causal exponential kinds: the key callable returns
-    ``(φk, shift)``, the block's features and its own shift, which
-    :func:`arrayattn.kernel._kernel_attention` merges into one global ``C``
-    (``shifted_keys``).
-    """
-    kind, w = rows.kind, rows.w
-    wt = xp.matrix_transpose
-    if scale < 0:
-        q = -q
-    exp_kind = kind in EXP_KINDS
-    keep = None if key_mask is None else xp.expand_dims(key_mask, axis=-1)
-    # A masked key's ‖k̃‖²/2: +_BIG (exponential maps: its features become 0) or -inf
-    # (trig: its factor exp(‖k̃‖²/2) becomes 0).
-    fill = _BIG if exp_kind else -xp.inf
-
-    def keys(j0, j1):
-        """Rows j0:j1 of k (masked keys zeroed: padding may hold anything, even inf or
-        NaN) and their ‖k̃‖²/2, block by block so no (s, d) temporary is made whole."""
-        kb = k[..., j0:j1, :]
-        hb = xp.sum(kb * kb, axis=-1, keepdims=True) * (abs(scale) / 2)
-        if keep is not None:
-            kp = keep[..., j0:j1, :]
-            kb, hb = xp.where(kp, kb, 0.0), xp.where(kp, hb, fill)
-        return kb, hb
-
-    if not exp_kind:
-        if kind == "trig":
-            # φ(x) ∝ exp(‖x̃‖²/2) [sin, cos](ω·x̃): the query factor cancels; the key
-            # factor is divided by its max over the (unmasked) keys -- not causal-safe, so
-            # causal trig keeps it unshifted (finite while ‖k̃‖² < 2 log(max float)).
-            k, hk = keys(0, k.shape[-2])
-            phase = _col(xp, rows.a)
-            phi_q = xp.sin(_augment(xp, q, 1.0) @ wt(_augment(xp, w, phase)))
-            sk = xp.sin(_augment(xp, k, 1.0) @ wt(_augment(xp, w, phase)))
-            if not causal:
-                top = xp.max(hk, axis=-2, keepdims=True)
-                hk = hk - xp.where(top == -xp.inf, 0.0, top)
-            return rows_of(phi_q), rows_of(sk * xp.exp(hk))
-        # generalized kernels f(ω·x̃): nothing to stabilise (the constant m^-1/2 cancels)
-        k = keys(0, k.shape[-2])[0]
-        phi_q, phi_k = _apply_g(xp, rows, q @ wt(w)), _apply_g(xp, rows, k @ wt(w))
-        if key_mask is not None:
-            phi_k = xp.where(keep, phi_k, 0.0)
-        return rows_of(phi_q), rows_of(phi_k)
-    a = rows.a
-    if causal:
-        # Keys: a_f + B ω_f·k̃ - ‖k̃‖²/2 - c_f = -‖k̃ - B ω_f‖²/2 <= 0 depends on that key
-        # alone; queries carry +c_f and are divided by their own row max.
-        cq = rows.c if a is None else a + rows.c
-        ck = -rows.c if a is None else a - rows.c
-        wq = wt(_augment(xp, w, _col(xp, cq)))
-        wk = wt(_augment(xp, w, -1.0, _col(xp, ck)))
-
-        def key_features(j0, j1):
-            return exp_shifted_(xp, _augment(xp, *keys(j0, j1), 1.0) @ wk)
-    else:
-        # One shift per block of keys, max_j (rowmax(a_j) - ‖k̃_j‖²/2) over its keys,
-        # floored so that an all-masked block (every exponent ~ -_BIG) keeps zero
-        # features; _kernel_attention merges the blocks' states to one global shift.
-        wq = wt(w) if a is None else wt(_augment(xp, w, _col(xp, a)))
-
-        def key_features(j0, j1):
-            kb, hb = keys(j0, j1)
-            ak = (kb if a is None else _augment(xp, kb, 1.0)) @ wq   # ω·k̃ (+ a)
-            top = xp.max(xp.max(ak, axis=-1, keepdims=True) - hb, axis=-2, keepdims=True)
-            top = xp.maximum(top, -_BIG / 2)
-            return exp_shifted_(xp, ak, hb + top), top
-    augment_q = causal or a is not None
-
-    def query_features(i0, i1):
-        qb = q[..., i0:i1, :]
-        aq = (_augment(xp, qb, 1.0) if augment_q else qb) @ wq
-        return exp_shifted_(xp, aq, xp.max(aq, axis=-1, keepdims=True))
-    return query_features, key_features
-
-
-def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="positive",
+def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="positive",
                         projection="orthogonal", norms="chi", seed=0, scale=None,
                         causal=False, key_mask=None, gerf_a=None):
     r"""Performer attention: softmax attention through random features (FAVOR+).
@@ -185,9 +70,9 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
         The projection ``ω``; a caller's (or a peer's) matrix is replayed exactly.  When
         given, ``num_features``, ``projection``, ``norms`` and ``seed`` are ignored.  One
         projection is shared by every batch element and head.
-    num_features : int
-        ``m``, the number of random rows when ``features`` is not given (ignored with
-        ``projection="identity"``, where ``m = d``).
+    num_features : int, optional
+        ``m``, the number of random rows when ``features`` is not given (``None``: 256;
+        with ``projection="identity"`` ``m = d``, and another value is an error).
     kind : {"positive", "hyperbolic", "trig", "favor++", "relu"} or callable
         Feature map (see :func:`arrayattn.estimate_kernel`).  ``"hyperbolic"`` and
         ``"trig"`` use ``2m`` features.  ``"trig"`` features may be negative, so the
@@ -248,32 +133,47 @@ def performer_attention(q, k, v, /, *, features=None, num_features=256, kind="po
     check_key_mask(p, key_mask, q)
     kind = check_kind(kind)
     scale = check_scale(scale, p.d)
+    causal = check_flag("causal", causal)
     if features is None:
-        check_positive_int("num_features", num_features)
         check_choice("projection", projection, PROJECTIONS)
+        if num_features is None:
+            num_features = p.d if projection == "identity" else 256
+        check_positive_int("num_features", num_features)
         check_choice("norms", norms, NORMS)
-        m = p.d if projection == "identity" else num_features  # no projection: m = d
-        features = RandomFeatures.draw(p.d, m, projection=projection, norms=norms, seed=seed)
+        seed = check_seed(seed)
+        if projection == "identity" and num_features != p.d:
+            raise ValueError(
+                f"projection='identity' (no random projection) has m = d = {p.d} rows; got "
+                f"num_features={num_features} (pass num_features={p.d})")
+        features = RandomFeatures.draw(p.d, num_features, projection=projection,
+                                       norms=norms, seed=seed)
     else:
         features = as_features(features, p.d)
-    xp = p.xp
-    omega = features.on(xp, dtype=p.work_dtype, device=p.device)
-    gerf_a = resolve_gerf_a(xp, kind, gerf_a, q, k, scale, key_mask, causal=causal,
-                            work_dtype=p.work_dtype, device=p.device)
-    rows = feature_rows(xp, omega, kind, scale, gerf_a=gerf_a)
-    wq = xp.astype(q, p.work_dtype, copy=False)
-    wk = xp.astype(k, p.work_dtype, copy=False)
-    wv = xp.astype(v, p.work_dtype, copy=False)
-    if key_mask is not None:  # padded values may hold inf/NaN: 0 * inf would leak
-        wv = xp.where(xp.expand_dims(key_mask, axis=-1), wv, 0.0)
-    query_features, key_features = performer_maps(xp, wq, wk, rows, scale=scale,
-                                                   causal=causal, key_mask=key_mask)
-    # eps=0: only a zero denominator (no visible key) gives zeros; nothing is added.
-    out, _ = _kernel_attention(xp, wv, query_features=query_features,
-                               key_features=key_features, n=p.n, s=p.s, batch=p.batch,
-                               causal=causal, key_mask=None, method="chunked", chunk=64,
-                               sz0=None, eps=0.0, m=rows.w.shape[-2],
-                               shifted_keys=not causal and kind in EXP_KINDS)
+    xp, wd = p.xp, p.work_dtype
+    if p.s == 0:
+        return p.zeros()
+    width = features.m * FEATURE_KINDS.get(kind, 1) if isinstance(kind, str) else features.m
+    with entry(xp):   # every NumPy call under the engine's lock
+        wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+        # padding may hold anything (NaN, inf): masked keys and values are zeroed once
+        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
+        omega = features.on(xp, dtype=wd, device=p.device)
+        gerf_a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
+                                work_dtype=wd, device=p.device)
+        if numpy_engine(xp, math.prod(p.batch) * (p.n + p.s) * max(width, p.dv + 1) * 4):
+            rows = reference.favor_rows(omega, kind=kind, scale=scale, gerf_a=gerf_a)
+            query_features, key_features = numpy_performer.performer_maps(
+                wq, wk, rows, kind=kind, scale=scale, causal=causal, key_mask=key_mask)
+            # eps=0: only a zero denominator (no visible key) gives zeros
+            out, _ = numpy_kernel.kernel_attention(
+                wv, query_features=query_features, key_features=key_features, n=p.n,
+                s=p.s, batch=p.batch, causal=causal, key_mask=None, method="chunked",
+                chunk=64, sz0=None, eps=0.0, m=width,
+                shifted_keys=not causal and kind in EXP_KINDS)
+        else:
+            out = reference.performer_attention(
+                wq, wk, wv, omega, kind=kind, scale=scale, causal=causal,
+                key_mask=key_mask, gerf_a=gerf_a)
     return xp.astype(out, p.dtype, copy=False)
 
 

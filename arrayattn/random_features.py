@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 
-import array_api_compat
 import numpy as np
 
-from ._validate import check_choice, check_positive_int, check_qkv, check_scale
+from ._engine import entry
+from ._validate import check_choice, check_positive_int, check_qkv, check_scale, check_seed
 from ._xp import to_numpy, xp_from_host
+from .reference import favor_rows
 
 __all__ = ["RandomFeatures", "estimate_kernel", "kernel_variance", "gerf_parameter",
-           "FEATURE_KINDS"]
+           "FEATURE_KINDS", "as_features", "check_kind", "resolve_gerf_a"]
 
 PROJECTIONS = ("iid", "orthogonal", "identity")
+#: The largest projection drawn on the host (``m * d`` float64 values): more is a typo (an
+#: orthogonal draw of ``num_features=10**12`` would loop over ~1e10 QR blocks).
+MAX_OMEGA_BYTES = 1 << 33
 NORMS = ("chi", "fixed", "quasi")
 #: Feature maps, name -> number of features per random row.  The first four estimate the
 #: softmax kernel; "relu" (like a caller's function f) is a generalized kernel f(ω·x̃).
@@ -177,8 +180,12 @@ class RandomFeatures:
         m = check_positive_int("m", m)
         check_choice("projection", projection, PROJECTIONS)
         check_choice("norms", norms, NORMS)
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-            raise TypeError(f"seed must be a non-negative integer; got {seed!r}")
+        seed = check_seed(seed)
+        if m * d * 8 > MAX_OMEGA_BYTES:
+            raise ValueError(
+                f"num_features (m) = {m} rows of d = {d} need a {m * d * 8 / 2**30:.3g} GiB "
+                f"float64 host matrix (m, d); the limit is {MAX_OMEGA_BYTES / 2**30:g} GiB "
+                f"(MAX_OMEGA_BYTES): use fewer features")
         if projection == "identity":
             if m != d:
                 raise ValueError(f"projection='identity' (no random projection) has m = d = "
@@ -208,7 +215,11 @@ class RandomFeatures:
         """
         if isinstance(omega, RandomFeatures):
             return omega
-        host = np.array(to_numpy(omega), dtype=np.float64, copy=True)
+        host = np.asarray(to_numpy(omega))
+        if np.iscomplexobj(host) or not (np.issubdtype(host.dtype, np.floating)
+                                         or np.issubdtype(host.dtype, np.integer)):
+            raise TypeError(f"omega must be a real matrix; got dtype {host.dtype}")
+        host = np.array(host, dtype=np.float64, copy=True)
         if host.ndim != 2 or host.shape[0] < 1 or host.shape[1] < 1:
             raise ValueError(
                 f"omega must be a non-empty 2-D matrix (m, d); got shape {host.shape}")
@@ -244,90 +255,37 @@ def as_features(features, d: int, *, name: str = "features") -> RandomFeatures:
 #   exp kinds:   exp(t - ‖x̃‖²/2)        (positive, hyperbolic, favor++)
 #   trig:        exp(‖x̃‖²/2) sin(t)     (a_f = 0 or π/2 gives sin and cos)
 #   generalized: f(t)                    (relu, or a caller's function; a_f = 0)
-# The same rows serve the dense diagnostic (estimate_kernel) and attention
-# (arrayattn.performer.performer_maps).
+# The rows are arrayattn.reference.favor_rows: they serve the dense diagnostic
+# (estimate_kernel), the reference form and the NumPy engine.
 # ---------------------------------------------------------------------------------
 
 EXP_KINDS = ("positive", "hyperbolic", "favor++")
 
 
-@dataclass(frozen=True)
-class FeatureRows:
-    """The rows of one feature map (see the comment above), on the inputs' device.
-
-    ``w (..., m', d)``, ``a (..., m')`` or ``None`` (zero), ``c (..., m')`` the causal key
-    bound ``max_x̃ (x̃·B ω_f + a_f - ‖x̃‖²/2) = a_f + B²‖ω_f‖²/2`` (exp kinds only), ``log_c``
-    the log of the constant factor per side (a float, or ``(..., 1, 1)`` for favor++).
-    """
-
-    kind: object
-    w: object
-    a: object
-    c: object
-    log_c: object
-
-
-def _phase(xp, m: int, like):
-    dev = array_api_compat.device(like)
-    zero = xp.zeros((m,), dtype=like.dtype, device=dev)
-    return xp.concat([zero, zero + math.pi / 2])
-
-
-def feature_rows(xp, omega, kind, scale: float, *, gerf_a=None) -> FeatureRows:
-    """The :class:`FeatureRows` of ``kind`` for the projection ``omega (m, d)``.
-
-    ``gerf_a`` (favor++ only): the GERF parameter ``A < 1/8``, a float or an array
-    ``(..., 1, 1)`` per batch element (see :func:`gerf_parameter`).
-    """
-    m, d = omega.shape
-    root = math.sqrt(abs(scale))
-    w = omega * root
-    hw = xp.sum(omega * omega, axis=-1) / 2                     # ‖ω_f‖²/2
-    if kind == "positive":
-        return FeatureRows(kind, w, None, hw, -0.5 * math.log(m))
-    if kind == "hyperbolic":
-        return FeatureRows(kind, xp.concat([w, -w]), None, xp.concat([hw, hw]),
-                           -0.5 * math.log(2 * m))
-    if kind == "trig":
-        return FeatureRows(kind, xp.concat([w, w]), _phase(xp, m, omega), None,
-                           -0.5 * math.log(m))
+def _log_constant(xp, kind, m: int, d: int, gerf_a):
+    """The log of the constant factor of ``φ`` per side: ``m^-1/2`` (hyperbolic:
+    ``(2m)^-1/2``), and for favor++ also ``D = (1 - 4A)^{d/4}``."""
+    log_c = -0.5 * math.log(2 * m if kind == "hyperbolic" else m)
     if kind == "favor++":
-        # GERF (Likhosherstov et al. 2022): f(ω, x) = D exp(A‖ω‖² + B ω·x̃ - ‖x̃‖²/2),
-        # B = sqrt(1 - 4A), D = (1 - 4A)^{d/4}: E[f(ω, q) f(ω, k)] = exp(q̃·k̃) for A < 1/4.
         one = 1 - 4 * gerf_a
-        b = one ** 0.5
-        a = gerf_a * (2 * hw) if isinstance(gerf_a, float) else gerf_a[..., 0] * (2 * hw)
-        bb = b if isinstance(b, float) else b[..., 0]
-        w = w * b                                                # (..., m, d) for arrays
-        c = a + bb * bb * hw
-        log_c = (d / 4) * (math.log(one) if isinstance(one, float) else xp.log(one)) \
-            - 0.5 * math.log(m)
-        return FeatureRows(kind, w, a, c, log_c)
-    # generalized kernels: relu or a caller's elementwise function
-    return FeatureRows(kind, w, None, None, -0.5 * math.log(m))
+        log_c = log_c + (d / 4) * (math.log(one) if isinstance(one, float) else xp.log(one))
+    return log_c
 
 
-def _apply_g(xp, rows: FeatureRows, t):
-    """``g(t)`` of the generalized kinds (``t = x·W^T``)."""
-    if rows.kind == "relu":
-        return xp.maximum(t, 0.0)
-    return rows.kind(t)
-
-
-def _parts(xp, x, rows: FeatureRows, scale: float):
+def _parts(xp, x, kind, rows, scale: float, log_c):
     """``(b, l)`` with ``φ(x) = exp(l) b``: ``b (..., t, m')`` bounded (exp kinds: in
-    ``(0, 1]``, trig: in ``[-1, 1]``), ``l (..., t, 1)`` a per-row log-factor."""
-    t = x @ xp.matrix_transpose(rows.w)
-    if rows.a is not None:
-        t = t + xp.expand_dims(rows.a, axis=-2)
-    if rows.kind in EXP_KINDS or rows.kind == "trig":
-        h = xp.sum(x * x, axis=-1, keepdims=True) * (abs(scale) / 2)
-        if rows.kind == "trig":
-            return xp.sin(t), h + rows.log_c
+    ``(0, 1]``, trig: in ``[-1, 1]``), ``l (..., t, 1)`` a per-row log-factor; ``rows``
+    from :func:`arrayattn.reference.favor_rows`."""
+    w, a, _ = rows
+    t = x @ xp.matrix_transpose(w) + a
+    h = xp.sum(x * x, axis=-1, keepdims=True) * (abs(scale) / 2)
+    if kind == "trig":
+        return xp.sin(t), h + log_c
+    if kind in EXP_KINDS:
         top = xp.max(t, axis=-1, keepdims=True)
-        return xp.exp(t - top), top - h + rows.log_c
-    return _apply_g(xp, rows, t), xp.zeros((*t.shape[:-1], 1), dtype=t.dtype,
-                                           device=array_api_compat.device(t)) + rows.log_c
+        return xp.exp(t - top), top - h + log_c
+    g = xp.maximum(t, 0.0) if kind == "relu" else kind(t)
+    return g, xp.zeros_like(h) + log_c
 
 
 def check_kind(kind):
@@ -389,7 +347,7 @@ def gerf_parameter(q, k, /, *, scale=None, key_mask=None):
     else:
         wgt = xp.astype(xp.expand_dims(key_mask, axis=-1), p.work_dtype)
         cnt = xp.maximum(xp.sum(wgt, axis=-2, keepdims=True), 1.0)
-        kt = kt * wgt
+        kt = xp.where(xp.expand_dims(key_mask, axis=-1), kt, 0.0)   # NaN padding: no 0 * NaN
         mk = xp.sum(xp.sum(kt * kt, axis=-1, keepdims=True), axis=-2, keepdims=True) / cnt
         kbar = xp.sum(kt, axis=-2, keepdims=True) / cnt
     rho = (mq + mk + 2 * xp.sum(qbar * kbar, axis=-1, keepdims=True)) / p.d
@@ -462,7 +420,8 @@ def estimate_kernel(q, k, features, /, *, kind="positive", scale=None, gerf_a=No
     gerf_a : float or array ``(..., 1, 1)``, optional
         The GERF parameter of ``kind="favor++"``.
     key_mask : boolean array ``(..., s)``, optional
-        Only used to compute the optimal ``A`` of ``kind="favor++"`` over the real keys.
+        The real keys: the optimal ``A`` of ``kind="favor++"`` is computed over them, and
+        a masked key's column is 0 (its row of ``k`` is never read).
 
     Returns
     -------
@@ -488,14 +447,20 @@ def estimate_kernel(q, k, features, /, *, kind="positive", scale=None, gerf_a=No
     omega = features.on(xp, dtype=p.work_dtype, device=p.device)
     gerf_a = resolve_gerf_a(xp, kind, gerf_a, q, k, scale, key_mask,
                             work_dtype=p.work_dtype, device=p.device)
-    rows = feature_rows(xp, omega, kind, scale, gerf_a=gerf_a)
+    rows = favor_rows(omega, kind=kind, scale=scale, gerf_a=gerf_a)
+    log_c = _log_constant(xp, kind, features.m, p.d, gerf_a)
     wq = xp.astype(q, p.work_dtype, copy=False)
     if scale < 0:
         wq = -wq
     wk = xp.astype(k, p.work_dtype, copy=False)
-    bq, lq = _parts(xp, wq, rows, scale)
-    bk, lk = _parts(xp, wk, rows, scale)
-    out = (bq @ xp.matrix_transpose(bk)) * xp.exp(lq + xp.matrix_transpose(lk))
+    if key_mask is not None:   # padding may hold NaN: a masked key's column is 0
+        wk = xp.where(xp.expand_dims(key_mask, axis=-1), wk, 0.0)
+    with entry(xp):
+        bq, lq = _parts(xp, wq, kind, rows, scale, log_c)
+        bk, lk = _parts(xp, wk, kind, rows, scale, log_c)
+        out = (bq @ xp.matrix_transpose(bk)) * xp.exp(lq + xp.matrix_transpose(lk))
+    if key_mask is not None:
+        out = xp.where(xp.expand_dims(key_mask, axis=-2), out, 0.0)
     return xp.astype(out, p.dtype, copy=False)
 
 
@@ -557,7 +522,8 @@ def kernel_variance(q, k, /, *, num_features, kind="positive", scale=None, gerf_
     if scale < 0:
         wq = -wq
     wk = xp.astype(k, p.work_dtype, copy=False) * math.sqrt(abs(scale))
-    xy = wq @ xp.matrix_transpose(wk)
+    with entry(xp):
+        xy = wq @ xp.matrix_transpose(wk)
     nq = xp.sum(wq * wq, axis=-1, keepdims=True)
     nk = xp.matrix_transpose(xp.sum(wk * wk, axis=-1, keepdims=True))
     if kind == "trig":

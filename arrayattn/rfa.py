@@ -17,7 +17,7 @@ with one constant for every pair, to the softmax kernel of the normalised inputs
 temperature :math:`\sigma^2`.  The constant cancels in the attention ratio, so RFA
 estimates ``softmax(q̂ k̂ᵀ / σ²) v``.  The rows ``ω`` are a
 :class:`~arrayattn.random_features.RandomFeatures` (the Performer's host-drawn projection);
-the sin/cos rows are :func:`~arrayattn.random_features.feature_rows` of ``kind="trig"``
+the sin/cos rows are the ``kind="trig"`` rows of ``arrayattn.reference.favor_rows``
 at ``scale = 1/σ²``, without the Performer trig map's ``exp(‖x̃‖²/2)`` factor, which is
 constant for unit vectors.
 
@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import math
 
-from ._validate import (_broadcast_batch, check_choice, check_key_mask, check_positive_int,
-                        check_qkv, check_same_array_kind)
-from .kernel import CAUSAL_METHODS, _check_eps, _divide, feature_attention
-from .performer import _augment, _col
-from .random_features import NORMS, PROJECTIONS, RandomFeatures, as_features, feature_rows
+from . import reference
+from ._engine import entry
+from ._validate import (broadcast_batch, check_array, check_choice, check_flag,
+                        check_key_mask, check_positive_int, check_qkv, check_same_array_kind,
+                        check_seed)
+from .kernel import CAUSAL_METHODS, check_eps, feature_attention
+from .random_features import NORMS, PROJECTIONS, RandomFeatures, as_features
 from .registry import Variant, register
 
 __all__ = ["rfa_attention", "rfa_features"]
@@ -58,26 +60,13 @@ def _check_sigma(sigma) -> float:
     return float(sigma)
 
 
-def _normalize(xp, x):
-    """``x / ‖x‖`` per row; a zero row stays zero (its features are those of the origin)."""
-    norm = xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True))
-    return x / xp.where(norm == 0, 1.0, norm)
-
-
-def _trig(xp, x_hat, rows):
-    """``[sin(w x̂), cos(w x̂)]`` (without ``m^-1/2``): one matmul with the phase folded in
-    as an extra column (``[x̂, 1] @ [W, a]^T``, ``a = 0`` or ``π/2``), one ``sin``."""
-    return xp.sin(_augment(xp, x_hat, 1.0) @ xp.matrix_transpose(
-        _augment(xp, rows.w, _col(xp, rows.a))))
-
-
 def _resolve_features(p, features, num_features, projection, norms, seed):
     if features is None:
         check_positive_int("num_features", num_features)
         check_choice("projection", projection, PROJECTIONS)
         check_choice("norms", norms, NORMS)
         return RandomFeatures.draw(p.d, num_features, projection=projection, norms=norms,
-                                   seed=seed)
+                                   seed=check_seed(seed))
     return as_features(features, p.d)
 
 
@@ -116,85 +105,17 @@ def rfa_features(x, features, /, *, sigma=1.0):
     >>> bool(abs(est - np.exp(-2 / (2 * 0.25))) < 0.02)   # ‖x̂ - ŷ‖² = 2
     True
     """
+    check_array("x", x)
     p = check_qkv(x, x, x, names=("x", "x", "x"))
     sigma = _check_sigma(sigma)
     xp = p.xp
     features = as_features(features, p.d)
-    rows = feature_rows(xp, features.on(xp, dtype=p.work_dtype, device=p.device), "trig",
-                        1.0 / (sigma * sigma))
-    out = _trig(xp, _normalize(xp, xp.astype(x, p.work_dtype, copy=False)), rows)
+    omega = features.on(xp, dtype=p.work_dtype, device=p.device)
+    with entry(xp):
+        out = reference.random_fourier_features(xp.astype(x, p.work_dtype, copy=False),
+                                                omega, sigma=sigma)
     out = out * (1.0 / math.sqrt(features.m))
     return xp.astype(out, p.dtype, copy=False)
-
-
-# ---------------------------------------------------------------------------------
-# The gated recurrence.  pq, pk (..., n, 2m) features, v1 = [v, 1] (..., n, dv + 1),
-# lg (..., n) = log g (0 where the key is masked), w (..., n) = 1 - g (0 where masked).
-# ---------------------------------------------------------------------------------
-
-def _gated_recurrent(xp, pq, pk, v1, g, w, device):
-    """``Sz_t = g_t Sz_{t-1} + (1 - g_t) φ(k_t) [v_t, 1]^T``, one token at a time (the
-    reference form; tokens taken with an index array, as in the kernel module)."""
-    *batch, n, m = pq.shape
-    sz = xp.zeros((*batch, m, v1.shape[-1]), dtype=pq.dtype, device=device)
-    outs = []
-    for t in range(n):
-        idx = xp.asarray([t], device=device)
-        kt, vt, qt = (xp.take(x, idx, axis=-2) for x in (pk, v1, pq))
-        gt, wt = (xp.take(x, idx, axis=-1)[..., None] for x in (g, w))
-        sz = gt * sz + wt * (xp.matrix_transpose(kt) @ vt)
-        outs.append(qt @ sz)
-    return outs[0] if n == 1 else xp.concat(outs, axis=-2)
-
-
-def _gated_chunked(xp, pq, pk, v1, lg, w, chunk: int, device):
-    """The same numerators, chunk by chunk, in log space; every factor is ``<= 1``.
-
-    Inside a chunk, ``E_tj = sum_{j < l <= t} log g_l`` (a masked cumulative sum per
-    pair, so a weight near 1 is not the difference of two large prefix sums) and key ``j``
-    reaches query ``t >= j`` with ``(1 - g_j) e^{E_tj}``.  With ``a_t = sum_{l <= t} log g_l``
-    from the chunk start, the state entering the chunk reaches query ``t`` with
-    ``e^{a_t}`` and leaves it as ``e^{a_end} S + sum_j (1 - g_j) e^{E_end,j} φ(k_j)
-    [v_j, 1]^T``.  A Python loop over the ``n / chunk`` chunks carries the state.
-    """
-    *batch, n, m = pq.shape
-    dv1 = v1.shape[-1]
-    c = min(chunk, n)
-    nc = -(-n // c)
-    pad = nc * c - n
-    if pad:
-        # Padding at the end: zero features, g = 1 (log 0), weight 0; outputs dropped.
-        def zpad(x, axis):
-            shape = list(x.shape)
-            shape[axis] = pad
-            return xp.concat([x, xp.zeros(tuple(shape), dtype=x.dtype, device=device)],
-                             axis=axis)
-        pq, pk, v1 = (zpad(x, -2) for x in (pq, pk, v1))
-        lg, w = zpad(lg, -1), zpad(w, -1)
-    qc = xp.reshape(pq, (*batch, nc, c, m))
-    kc = xp.reshape(pk, (*batch, nc, c, m))
-    vc = xp.reshape(v1, (*batch, nc, c, dv1))
-    lc = xp.reshape(lg, (*batch, nc, c))
-    wc = xp.reshape(w, (*batch, nc, c))
-    strict = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device), k=-1)
-    incl = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device))
-    # E[t, j] = sum over l in (j, t] of log g_l: row t of the summand holds log g_t for
-    # the columns j < t; a cumulative sum down the rows adds the rows j+1 .. t.
-    seg = xp.cumulative_sum(xp.where(strict, lc[..., :, None], 0.0), axis=-2)
-    # (mask last: a NaN gate of a future key must not reach earlier rows through 0 * NaN)
-    decay = xp.where(incl, xp.exp(seg) * wc[..., None, :], 0.0)          # (.., nc, c, c)
-    num = ((qc @ xp.matrix_transpose(kc)) * decay) @ vc                  # (.., nc, c, dv1)
-    into = xp.exp(xp.cumulative_sum(lc, axis=-1))                         # (.., nc, c)
-    carry = into[..., -1]                                                 # (.., nc)
-    kw = kc * (wc * xp.exp(seg[..., -1, :]))[..., None]
-    upd = xp.matrix_transpose(kw) @ vc                                    # (.., nc, m, dv1)
-    state = xp.zeros((*batch, m, dv1), dtype=pq.dtype, device=device)
-    outs = [num[..., 0, :, :]]
-    for i in range(1, nc):
-        state = carry[..., i - 1, None, None] * state + upd[..., i - 1, :, :]
-        outs.append(num[..., i, :, :] + into[..., i, :, None] * (qc[..., i, :, :] @ state))
-    out = outs[0] if nc == 1 else xp.concat(outs, axis=-2)
-    return out[..., :n, :]
 
 
 def _check_gate(p, gate, q, batch):
@@ -211,7 +132,7 @@ def _check_gate(p, gate, q, batch):
     if gate.ndim < 1 or gate.shape[-1] not in (p.n, 1):
         raise ValueError(f"gate must have shape (..., n) or (..., 1) with n={p.n}; got "
                          f"shape {tuple(gate.shape)} (q {tuple(q.shape)})")
-    batch = _broadcast_batch([("inputs", batch), ("gate", tuple(gate.shape[:-1]))])
+    batch = broadcast_batch([("inputs", batch), ("gate", tuple(gate.shape[:-1]))])
     return xp.astype(gate, p.work_dtype), batch
 
 
@@ -329,6 +250,7 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
     p = check_qkv(q, k, v)
     check_key_mask(p, key_mask, q)
     sigma = _check_sigma(sigma)
+    causal = check_flag("causal", causal)
     chunk_size = check_positive_int("chunk_size", chunk_size)
     xp, wd, dev = p.xp, p.work_dtype, p.device
     if gate is not None:
@@ -340,43 +262,31 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
                              f"sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
         method = "chunked" if method is None else check_choice("method", method,
                                                                GATED_METHODS)
-        batch = p.batch if key_mask is None else _broadcast_batch(
+        batch = p.batch if key_mask is None else broadcast_batch(
             [("inputs", p.batch), ("key_mask", tuple(key_mask.shape[:-1]))])
         g, batch = _check_gate(p, gate, q, batch)
     elif method is not None:
         check_choice("method", method, CAUSAL_METHODS)
     features = _resolve_features(p, features, num_features, projection, norms, seed)
-    rows = feature_rows(xp, features.on(xp, dtype=wd, device=dev), "trig",
-                        1.0 / (sigma * sigma))
-    # φ(q)·φ(k) carries the factor 1/m (both m^-1/2), put on the query side, so that the
-    # denominator compared with eps is the documented one (exact when m is a power of 2).
-    phi_q = _trig(xp, _normalize(xp, xp.astype(q, wd, copy=False)), rows) * (1.0 / features.m)
-    wk = xp.astype(k, wd, copy=False)
-    wv = xp.astype(v, wd, copy=False)
-    if key_mask is not None:  # padding may hold anything, even inf or NaN
-        wk = xp.where(xp.expand_dims(key_mask, axis=-1), wk, 0.0)
-        wv = xp.where(xp.expand_dims(key_mask, axis=-1), wv, 0.0)
-    phi_k = _trig(xp, _normalize(xp, wk), rows)
-    if gate is None:
-        out = feature_attention(phi_q, phi_k, wv, causal=causal, key_mask=key_mask, eps=eps,
-                                method=method, chunk_size=chunk_size)
-        return xp.astype(out, p.dtype, copy=False)
-    # Out-of-range gates poison (NaN) instead of a value check that would sync a GPU.
-    g = xp.where((g >= 0.0) & (g <= 1.0), g, xp.nan)
-    if key_mask is not None:
-        g = xp.where(key_mask, g, 1.0)          # a masked token: no decay, no contribution
-    g = xp.broadcast_to(g, (*batch, p.n))
-    w = 1.0 - g
-    v1 = xp.concat([wv, xp.ones((*wv.shape[:-1], 1), dtype=wd, device=dev)], axis=-1)
-    shape = lambda x: (*batch, *x.shape[-2:])  # noqa: E731
-    phi_q, phi_k, v1 = (xp.broadcast_to(x, shape(x)) for x in (phi_q, phi_k, v1))
-    if method == "recurrent":
-        num = _gated_recurrent(xp, phi_q, phi_k, v1, g, w, dev)
-    else:
-        # log g, with g = 0 taken as the smallest normal number (a restart to rounding).
-        lg = xp.log(xp.maximum(g, float(xp.finfo(wd).smallest_normal)))
-        num = _gated_chunked(xp, phi_q, phi_k, v1, lg, w, chunk_size, dev)
-    out = _divide(xp, num, _check_eps(eps, xp, wd))
+    eps = check_eps(eps, xp, wd)
+    if p.s == 0:
+        return p.zeros()
+    omega = features.on(xp, dtype=wd, device=dev)
+    with entry(xp):
+        wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)   # padding may hold NaN/inf
+        # φ(q)·φ(k) carries the factor 1/m (both m^-1/2), put on the query side, so that
+        # the denominator compared with eps is the documented one
+        phi_q = reference.random_fourier_features(wq, omega, sigma=sigma) * (
+            1.0 / features.m)
+        phi_k = reference.random_fourier_features(wk, omega, sigma=sigma)
+        if gate is None:   # kernel attention: its NumPy engine or reference form
+            out = feature_attention(phi_q, phi_k, wv, causal=causal, key_mask=key_mask,
+                                    eps=eps, method=method, chunk_size=chunk_size)
+        else:              # the gated scan: the reference form on every backend
+            g = xp.broadcast_to(g, (*batch, p.n))
+            out = reference.gated_rfa(phi_q, phi_k, wv, g, key_mask=key_mask,
+                                      method=method, chunk_size=chunk_size, eps=eps)
     return xp.astype(out, p.dtype, copy=False)
 
 

@@ -180,8 +180,9 @@ class TestFeatureMaps:
             get_feature_map("elu")
         with pytest.raises(TypeError, match="feature_map must be a name"):
             get_feature_map(3)
-        with pytest.raises(ValueError, match="input_scale must be finite and non-zero"):
-            taylor_feature_map(0.0)
+        for bad in (0.0, -1, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match="input_scale must be a finite number > 0"):
+                taylor_feature_map(bad)
 
 
 class TestLinearAttention:

@@ -313,14 +313,8 @@ class TestInPlaceHelpers:
 SPLIT = [
     ("softmax_blockwise", {"block_size": 16}, True),
     ("softmax_blockwise", {"block_size": 16, "causal": True}, True),
-    ("linear_elu", {}, False),
-    ("linear_elu", {"causal": True}, False),
-    ("linear_taylor", {"causal": True}, False),
-    ("performer_positive", {}, False),
-    ("performer_positive", {"causal": True}, False),
-    ("performer_favorpp", {}, False),
-    # Nystrom and landmark: their engine (arrayattn._numpy.nystrom) runs on
-    # arrayattn._numpy.parallel, split against whole in tests/test_reference.py.
+    # The kernel family, Nystrom and landmark run on arrayattn._numpy.parallel: their
+    # split engines are tested against the reference forms in tests/test_reference.py.
 ]
 
 

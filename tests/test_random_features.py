@@ -146,6 +146,7 @@ class TestRandomFeatures:
         (np.ones(3), ValueError, "2-D"),
         (np.ones((0, 3)), ValueError, "non-empty"),
         (np.array([[1.0, np.nan]]), ValueError, "non-finite"),
+        (np.ones((3, 2), dtype=complex), TypeError, "real"),
     ])
     def test_from_matrix_errors(self, bad, exc, msg):
         with pytest.raises(exc, match=msg):
@@ -154,12 +155,16 @@ class TestRandomFeatures:
     @pytest.mark.parametrize("kwargs, exc, msg", [
         (dict(projection="haar"), ValueError, "projection"),
         (dict(norms="unit"), ValueError, "norms"),
-        (dict(seed=-1), TypeError, "seed"),
+        (dict(seed=-1), ValueError, "seed"),
         (dict(seed=1.5), TypeError, "seed"),
+        (dict(seed=None), TypeError, "seed"),
     ])
     def test_draw_errors(self, kwargs, exc, msg):
         with pytest.raises(exc, match=msg):
             RandomFeatures.draw(4, 8, **kwargs)
+        # an absurd size fails up front (an orthogonal draw would loop ~1e10 QR blocks)
+        with pytest.raises(ValueError, match=r"num_features \(m\) = 1000000000000"):
+            RandomFeatures.draw(64, 10**12)
         with pytest.raises(ValueError, match="m must be >= 1"):
             RandomFeatures.draw(4, 0)
 
