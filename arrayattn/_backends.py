@@ -18,6 +18,9 @@ BACKENDS = ("numpy", "torch", "jax", "cupy", "array_api_strict")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+__all__ = ["BackendUnavailable", "ArrayBackend", "get_array_backend"]
+
+
 class BackendUnavailable(RuntimeError):
     """The requested array library is not installed or cannot run here."""
 

@@ -7,7 +7,6 @@ the explicit host transfer used by the CLI and the testing helpers (:func:`to_nu
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import array_api_compat
@@ -19,8 +18,6 @@ __all__ = [
     "compute_dtype",
     "xp_from_host",
     "to_numpy",
-    "xp_eps",
-    "xp_tril_mask",
     "xp_causal_mask",
 ]
 
@@ -63,10 +60,6 @@ def compute_dtype(xp, dtype):
         return dtype
     return xp.float32
 
-
-def xp_eps(xp, dtype) -> float:
-    """Machine epsilon of ``dtype`` (a Python float)."""
-    return float(xp.finfo(dtype).eps)
 
 
 def xp_from_host(xp, array: np.ndarray, *, dtype, device):
@@ -118,13 +111,3 @@ def xp_causal_mask(xp, n: int, s: int, *, device, row0: int = 0, col0: int = 0):
     rows = xp.arange(n, device=device)
     cols = xp.arange(s, device=device)
     return (cols[None, :] + col0) <= (rows[:, None] + row0)
-
-
-def xp_tril_mask(xp, n: int, s: int, *, device):
-    """End-aligned causal mask of a whole ``(n, s)`` problem."""
-    return xp_causal_mask(xp, n, s, device=device, row0=s - n)
-
-
-def default_scale(d: int) -> float:
-    """The softmax temperature ``1/sqrt(d)`` used when ``scale=None``."""
-    return 1.0 / math.sqrt(d)

@@ -125,7 +125,11 @@ def test_every_variant_traces_under_jit(record, rng):
     q, k, v = (backend.asarray(x, "float64") for x in _inputs(record, rng))
     eager = record(q, k, v)
     traced = jax.jit(lambda a, b, c: record(a, b, c))(q, k, v)
-    xp_assert_close(traced, eager, rtol=0, atol=64 * F64 * 100)
+    # XLA fuses and reorders under jit: rounding of sums of s = 96 terms (~s eps of the
+    # output's scale), amplified up to ~1e2 times by performer_trig's cancellation (its
+    # denominator is a difference of cosine features).
+    top = float(np.abs(np.asarray(eager)).max())
+    xp_assert_close(traced, eager, rtol=0, atol=96 * 100 * F64 * max(1.0, top))
 
 
 class TestEngineChoice:
