@@ -32,6 +32,7 @@ def test_predict_extrapolates_the_measured_growth(run):
 
 
 def test_tiny_sweep_outputs(run, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the sweep writes run.png with matplotlib")
     monkeypatch.setattr(run, "HERE", str(tmp_path))  # the README it updates
     (tmp_path / "README.md").write_text(f"# B\n\n{run.MARK_BEGIN}\nold\n{run.MARK_END}\nkeep\n")
     out = tmp_path / "results"

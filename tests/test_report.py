@@ -127,7 +127,18 @@ class TestReportNumbers:
 
 
 class TestReportCommand:
+    def test_table_and_json_without_matplotlib_options(self, tmp_path, capsys, toy_variants):
+        """The table and the JSON need nothing optional (a bare ``pip install .``)."""
+        js = tmp_path / "r.json"
+        code = main(["report", *SMALL, "--json", str(js), "--quiet"])
+        cap = capsys.readouterr()
+        assert code == 0, cap.err
+        names = [r.name for r in arrayattn.variants()]
+        assert [r[0] for r in table_rows(cap.out)] == names * len(CASES)
+        assert len(json.loads(js.read_text())["rows"]) == len(names) * len(CASES)
+
     def test_table_json_plot(self, tmp_path, capsys, toy_variants):
+        pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the plot extra)")
         js, png = tmp_path / "r.json", tmp_path / "r.png"
         code = main(["report", *SMALL, "--json", str(js), "--plot", str(png)])
         cap = capsys.readouterr()
