@@ -173,7 +173,7 @@ def _linformer_call(q, k, v, /, *, e=None, f=None, **options):
     file, are moved to ``q``'s namespace and device; arrays of ``q``'s kind pass as is."""
     from ._xp import xp_device
 
-    xp = xp_namespace(q)
+    xp = xp_namespace(check_array("q", q))
 
     def move(x):
         if isinstance(x, np.ndarray) and not isinstance(q, np.ndarray):
