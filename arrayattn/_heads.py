@@ -28,13 +28,10 @@ def group_heads(q, k, v, options: dict):
     ``q`` has ``G > 1`` times the heads of ``k`` and ``v``; ``None`` when the call is not
     grouped (heads equal, or broadcasting as they are)."""
     hq, hk, hv = _heads(q, 2), _heads(k, 2), _heads(v, 2)
-    if None in (hq, hk, hv) or q.ndim < 3 or hq == hk or hk == 1 or hk != hv:
+    if (None in (hq, hk, hv) or q.ndim < 3 or hq == hk or hk == 1 or hk != hv
+            or hq % hk):
+        # Not grouped: shapes that do not broadcast get the usual error naming them.
         return None
-    if hq % hk:
-        raise ValueError(
-            f"q has {hq} heads (axis -3) and k, v have {hk}: grouped-query attention needs "
-            f"the query heads to be a multiple of the key/value heads (shapes q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
     g = hq // hk
     xp = xp_namespace(q, k, v)
 

@@ -16,7 +16,7 @@ from ._xp import compute_dtype, xp_device, xp_namespace
 
 __all__ = ["Problem", "check_array", "check_qkv", "check_key_mask", "check_mask",
            "check_positive_int", "check_scale", "check_choice", "check_no_causal",
-           "check_same_array_kind", "check_flag", "check_seed", "broadcast_batch"]
+           "check_same_array_kind", "check_flag", "check_seed", "broadcast_batch", "check_bias"]
 
 
 @dataclass(frozen=True)
@@ -245,3 +245,24 @@ def check_seed(seed) -> int:
     if seed < 0:
         raise ValueError(f"seed must be a non-negative integer; got {seed}")
     return int(seed)
+
+
+def check_bias(p: Problem, bias, q, *, name: str = "bias"):
+    """``bias (..., n, s)`` real floating, broadcastable to the batch; returned cast to
+    the working dtype (``None`` passes)."""
+    if bias is None:
+        return None
+    check_array(name, bias)
+    check_same_array_kind(p.xp, "q", q, name, bias)
+    if not p.xp.isdtype(bias.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype (an additive logit bias; "
+                        f"use mask= for a boolean mask); got {bias.dtype}")
+    if bias.ndim < 2 or tuple(bias.shape[-2:]) != (p.n, p.s):
+        raise ValueError(
+            f"{name} must have shape (..., n, s) = (..., {p.n}, {p.s}); got shape {_shape(bias)}")
+    batch = _broadcast_batch([("q/k/v", p.batch), (name, _shape(bias)[:-2])])
+    if batch != p.batch:
+        raise ValueError(
+            f"{name} of shape {_shape(bias)} has more batch dimensions than the "
+            f"inputs' batch {p.batch}")
+    return p.xp.astype(bias, p.work_dtype, copy=False)

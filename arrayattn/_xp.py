@@ -18,7 +18,6 @@ __all__ = [
     "compute_dtype",
     "xp_from_host",
     "to_numpy",
-    "xp_causal_mask",
 ]
 
 
@@ -100,14 +99,3 @@ def to_numpy(x) -> np.ndarray:
     if mod.startswith("cupy"):
         return x.get()
     return np.asarray(x)
-
-
-def xp_causal_mask(xp, n: int, s: int, *, device, row0: int = 0, col0: int = 0):
-    """Boolean ``(n, s)`` mask of end-aligned causality: query i sees key j <= i + (S - N).
-
-    ``row0``/``col0`` offset the block inside the full ``(N, S)`` problem; the caller
-    passes ``row0 + (S - N)`` as the shift so blocks of a larger problem line up.
-    """
-    rows = xp.arange(n, device=device)
-    cols = xp.arange(s, device=device)
-    return (cols[None, :] + col0) <= (rows[:, None] + row0)

@@ -15,6 +15,8 @@ import zipfile
 REQUIRED = ("q", "k", "v", "out")
 
 
+__all__ = ["UsageError", "parse_option", "load_npz", "run_validate", "main"]
+
 class UsageError(Exception):
     """A bad command line or a malformed input file (exit code 2)."""
 

@@ -15,7 +15,7 @@ from ._validate import (check_array, check_choice, check_flag, check_key_mask,
                         check_positive_int, check_qkv, check_same_array_kind, check_scale)
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
-from .sparse import BlockLayout, _block_sparse, _host_int, _nblocks, local_layout
+from .sparse import BlockLayout, block_sparse_attention, host_indices, num_blocks, local_layout
 
 __all__ = ["pooling_attention", "pooled_spans"]
 
@@ -67,10 +67,10 @@ def _pool(xp, x, start, end, kind: str, key_mask, *, device):
     inside = offs <= end[:, None]
     idx = np.minimum(offs, x.shape[-2] - 1).reshape(-1)
     m = start.size
-    idx = _host_int(xp, idx, device)
+    idx = host_indices(xp, idx, device)
     g = xp.take(x, idx, axis=x.ndim - 2)
     g = xp.reshape(g, (*x.shape[:-2], m, kappa, x.shape[-1]))      # (..., m, kappa, c)
-    keep = xp.expand_dims(_host_int(xp, inside, device), axis=-1) > 0   # (m, kappa, 1)
+    keep = xp.expand_dims(host_indices(xp, inside, device), axis=-1) > 0   # (m, kappa, 1)
     if key_mask is not None:
         kmg = xp.take(key_mask, idx, axis=key_mask.ndim - 1)
         kmg = xp.reshape(kmg, (*key_mask.shape[:-1], m, kappa, 1))
@@ -190,7 +190,7 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     # Level 1: the sliding window.
     lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
     wq = xp.astype(q, wd, copy=False) * s1
-    y = _block_sparse(p, wq, xp.astype(k, wd, copy=False), xp.astype(v, wd, copy=False),
+    y = block_sparse_attention(p, wq, xp.astype(k, wd, copy=False), xp.astype(v, wd, copy=False),
                       lay1, causal=causal, key_mask=key_mask)
 
     # Level 2: pooled keys/values, each standing for its interval of positions.
@@ -202,13 +202,13 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     m = start.size
     left, right = w2
     lay2 = BlockLayout(n=p.n, s=m, block_size=b,
-                       blocks=np.zeros((_nblocks(p.n, b), _nblocks(m, b)), dtype=bool),
+                       blocks=np.zeros((num_blocks(p.n, b), num_blocks(m, b)), dtype=bool),
                        window=(left, 0 if causal else right), causal=bool(causal),
                        key_start=start, key_end=end, query_offset=p.s - p.n,
                        pattern="pooled")
     pm = type(p2)(xp=xp, n=p.n, s=m, d=p2.d, dv=p.dv, batch=p.batch, dtype=p.dtype,
                   work_dtype=wd, device=dev)
-    z = _block_sparse(pm, xp.astype(q2, wd, copy=False) * s2, kbar, vbar, lay2,
+    z = block_sparse_attention(pm, xp.astype(q2, wd, copy=False) * s2, kbar, vbar, lay2,
                       causal=causal, key_mask=valid)
     return xp.astype(y + z, p.dtype, copy=False)
 

@@ -45,8 +45,9 @@ from ._backends import get_array_backend
 from ._xp import to_numpy
 from .registry import attention_matrix, get_variant, variants
 
-__all__ = ["Workload", "Row", "make_inputs", "reference", "run_report", "format_table",
-           "run_sweeps", "plot_report", "write_json"]
+__all__ = ["Workload", "Row", "Progress", "make_inputs", "reference", "run_report",
+           "format_table", "rows_as_dicts", "parameter_default", "sweep_values", "run_sweeps",
+           "sweep_steps", "plot_report", "machine_info", "write_json"]
 
 CASES = {"gaussian": None, "sharp": 8.0}
 #: Sharp case: query i = normalise(k_j + SHARP_NOISE * g) * norm for a random key j.

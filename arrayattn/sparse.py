@@ -35,14 +35,18 @@ from functools import cached_property
 
 import numpy as np
 
-from ._validate import check_key_mask, check_positive_int, check_qkv, check_scale
+from ._engine import entry
+from ._validate import (check_flag, check_key_mask, check_positive_int, check_qkv,
+                        check_scale, check_seed)
+from .reference.masks import zero_masked_keys
 from ._xp import xp_from_host
-from .exact import attend
+from .reference.masks import attend
 from .registry import Variant, register
 
 __all__ = [
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
+    "block_sparse_attention", "host_indices", "num_blocks",
 ]
 
 # Elements of the score tile plus gathered keys/values processed at once (per chunk of
@@ -53,7 +57,7 @@ _CHUNK_ELEMENTS = 1 << 23
 _GROUP_OVERHEAD = 1 << 17
 
 
-def _nblocks(n: int, b: int) -> int:
+def num_blocks(n: int, b: int) -> int:
     return -(-n // b)
 
 
@@ -107,7 +111,7 @@ class BlockLayout:
 
     def __post_init__(self):
         b = self.block_size
-        shape = (_nblocks(self.n, b), _nblocks(self.s, b))
+        shape = (num_blocks(self.n, b), num_blocks(self.s, b))
         blocks = np.array(self.blocks, dtype=bool)  # a private copy, read-only
         if blocks.shape != shape:
             raise ValueError(
@@ -362,7 +366,7 @@ def local_layout(n: int, *, window, s: int | None = None, block_size: int = 64,
     left, right = _check_window(window)
     if causal:
         right = 0
-    blocks = np.zeros((_nblocks(n, b), _nblocks(s, b)), dtype=bool)
+    blocks = np.zeros((num_blocks(n, b), num_blocks(s, b)), dtype=bool)
     return BlockLayout(n=n, s=s, block_size=b, blocks=blocks, window=(left, right),
                        causal=bool(causal), pattern="local",
                        params={"window": (left, right), "causal": bool(causal)})
@@ -394,7 +398,7 @@ def strided_layout(n: int, *, stride: int, block_size: int = 64, causal: bool = 
     n = _self_attention("strided", n, s)
     b = check_positive_int("block_size", block_size)
     stride = check_positive_int("stride", stride)
-    nb = _nblocks(n, b)
+    nb = num_blocks(n, b)
     diff = np.arange(nb)[:, None] - np.arange(nb)[None, :]
     blocks = (np.abs(diff) < stride) | (diff % stride == 0)
     if causal:
@@ -429,7 +433,7 @@ def fixed_layout(n: int, *, stride: int, summary: int = 1, block_size: int = 64,
     summary = check_positive_int("summary", summary)
     if summary > stride:
         raise ValueError(f"summary must be <= stride; got summary={summary}, stride={stride}")
-    nb = _nblocks(n, b)
+    nb = num_blocks(n, b)
     ib, jb = np.arange(nb)[:, None], np.arange(nb)[None, :]
     blocks = (ib // stride == jb // stride) | (jb % stride >= stride - summary)
     if causal:
@@ -464,7 +468,7 @@ def longformer_layout(n: int, *, window, global_tokens=(), block_size: int = 64,
     if causal:
         right = 0
     g = np.asarray(global_tokens, dtype=np.int64).reshape(-1)
-    blocks = np.zeros((_nblocks(n, b), _nblocks(n, b)), dtype=bool)
+    blocks = np.zeros((num_blocks(n, b), num_blocks(n, b)), dtype=bool)
     return BlockLayout(n=n, s=n, block_size=b, blocks=blocks, window=(left, right),
                        global_tokens=g, causal=bool(causal), pattern="longformer",
                        params={"window": (left, right), "global_tokens": g.tolist(),
@@ -498,10 +502,12 @@ def bigbird_layout(n: int, *, block_size: int = 64, num_window_blocks: int = 3,
     array([1, 1, 1, 1, 0, 0, 0, 1])
     """
     n = _self_attention("bigbird", n, s)
+    seed = check_seed(seed)
+    causal = check_flag("causal", causal)
     b = check_positive_int("block_size", block_size)
     w = check_positive_int("num_window_blocks", num_window_blocks)
     r = check_positive_int("num_random_blocks", num_random_blocks, minimum=0)
-    nb = _nblocks(n, b)
+    nb = num_blocks(n, b)
     if global_blocks is None:
         g = check_positive_int("num_global_blocks", num_global_blocks, minimum=0)
         first = (g + 1) // 2
@@ -553,9 +559,10 @@ def _pad_tokens(xp, x, total: int, *, dtype, device):
     return xp.concat([x, pad], axis=-2)
 
 
-def _host_int(xp, a, device):
-    """Host integers (block indices, positions) to ``xp`` int64 on ``device``."""
-    return xp_from_host(xp, np.asarray(a, dtype=np.int64), dtype=xp.int64, device=device)
+def host_indices(xp, a, device):
+    """Host integers (block indices, positions) to ``xp`` int32 on ``device`` (every
+    library has int32; JAX without x64 has no int64, and these indices are small)."""
+    return xp_from_host(xp, np.asarray(a, dtype=np.int32), dtype=xp.int32, device=device)
 
 
 def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
@@ -590,20 +597,20 @@ def _tile_mask(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, devic
     host integers. The one place the pattern's token-level rules are applied."""
     kstart, kend, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
                                                              causal=causal)
-    code_x = xp.expand_dims(_host_int(xp, code, device), axis=-2)          # (G, 1, Rb)
+    code_x = xp.expand_dims(host_indices(xp, code, device), axis=-2)          # (G, 1, Rb)
     allowed = code_x == 2
     if not needs_rules:
         return allowed
-    kend_x = xp.expand_dims(_host_int(xp, kend, device), axis=-2)          # (G, 1, Rb)
-    kstart_x = kend_x if kstart is kend else xp.expand_dims(_host_int(xp, kstart, device),
+    kend_x = xp.expand_dims(host_indices(xp, kend, device), axis=-2)          # (G, 1, Rb)
+    kstart_x = kend_x if kstart is kend else xp.expand_dims(host_indices(xp, kstart, device),
                                                             axis=-2)
-    apos_x = xp.expand_dims(_host_int(xp, apos, device), axis=-1)          # (G, b, 1)
+    apos_x = xp.expand_dims(host_indices(xp, apos, device), axis=-1)          # (G, b, 1)
     reach = code_x >= 1
     if layout.window is not None:
         left, right = layout.window
         allowed = allowed | (reach & (kstart_x >= apos_x - left) & (kend_x <= apos_x + right))
     if gq is not None:
-        allowed = allowed | (reach & (xp.expand_dims(_host_int(xp, gq, device), axis=-1) > 0))
+        allowed = allowed | (reach & (xp.expand_dims(host_indices(xp, gq, device), axis=-1) > 0))
     if causal:
         allowed = allowed & (kend_x <= apos_x)
     return allowed
@@ -614,7 +621,7 @@ def _attend_slots(xp, p, layout, qc, kb, vb, km, rows, idx, valid, *, causal):
     ``(G, R)``: the output ``(..., G, b, dv)`` and log-sum-exp ``(..., G, b)``."""
     b, dev = layout.block_size, p.device
     g, r = idx.shape
-    idx_x = _host_int(xp, idx.reshape(-1), dev)
+    idx_x = host_indices(xp, idx.reshape(-1), dev)
     kc = xp.take(kb, idx_x, axis=kb.ndim - 3)
     vc = xp.take(vb, idx_x, axis=vb.ndim - 3)
     kc = xp.reshape(kc, (*kc.shape[:-3], g, r * b, p.d))
@@ -624,7 +631,7 @@ def _attend_slots(xp, p, layout, qc, kb, vb, km, rows, idx, valid, *, causal):
         kmc = xp.take(km, idx_x, axis=km.ndim - 2)
         allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-2], g, 1, r * b))
     scores = qc @ xp.matrix_transpose(kc)                              # (..., G, b, Rb)
-    return attend(xp, scores, vc, allowed, return_lse=True)
+    return attend(scores, vc, allowed)
 
 
 def _merge(xp, out_a, lse_a, out_b, lse_b):
@@ -645,7 +652,7 @@ def _merge(xp, out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
+def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
     """The gather-and-attend core. ``q`` is already scaled; all in the working dtype."""
     xp, dev, wd = p.xp, p.device, p.work_dtype
     b, n, s = layout.block_size, p.n, p.s
@@ -674,7 +681,7 @@ def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
         span = min(r, max(1, _CHUNK_ELEMENTS // per_slot))
         for c0 in range(0, rows_all.size, step):
             rows = rows_all[c0:c0 + step]
-            qc = xp.take(qb, _host_int(xp, rows, dev), axis=qb.ndim - 3)
+            qc = xp.take(qb, host_indices(xp, rows, dev), axis=qb.ndim - 3)
             acc = lse = None
             for r0 in range(0, r, span):
                 idx = idx_all[c0:c0 + step, r0:r0 + span]
@@ -689,7 +696,7 @@ def _block_sparse(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
     if not np.array_equal(perm, np.arange(nqb)):
         inv = np.empty_like(perm)
         inv[perm] = np.arange(perm.size)
-        out = xp.take(out, _host_int(xp, inv, dev), axis=out.ndim - 3)
+        out = xp.take(out, host_indices(xp, inv, dev), axis=out.ndim - 3)
     out = xp.reshape(out, (*out.shape[:-3], nqb * b, p.dv))
     return out[..., :n, :] if nqb * b != n else out
 
@@ -749,13 +756,16 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
             f"layout was built for n={layout.n} queries and s={layout.s} keys but q has "
             f"n={p.n} (shape {tuple(q.shape)}) and k has s={p.s} (shape {tuple(k.shape)})"
         )
+    causal = check_flag("causal", causal)
     check_key_mask(p, key_mask, q)
     scale = check_scale(scale, p.d)
     xp = p.xp
     wq = xp.astype(q, p.work_dtype, copy=False) * scale
-    wk = xp.astype(k, p.work_dtype, copy=False)
-    wv = xp.astype(v, p.work_dtype, copy=False)
-    out = _block_sparse(p, wq, wk, wv, layout, causal=bool(causal), key_mask=key_mask)
+    # Padded keys may hold anything (NaN, inf): their rows are replaced, not weighted by 0.
+    wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
+                              xp.astype(v, p.work_dtype, copy=False))
+    with entry(xp):
+        out = block_sparse_attention(p, wq, wk, wv, layout, causal=causal, key_mask=key_mask)
     return xp.astype(out, p.dtype, copy=False)
 
 
@@ -798,6 +808,9 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
     True
     """
     p = check_qkv(q, k, v)
+    causal = check_flag("causal", causal)
+    if p.s == 0:
+        return p.zeros()
     layout = local_layout(p.n, s=p.s, window=window, block_size=block_size, causal=causal)
     return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,
                             key_mask=key_mask)
@@ -809,6 +822,8 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
 
 def _pattern_call(builder, **fixed):
     def call(q, k, v, /, *, scale=None, causal=False, key_mask=None, **options):
+        check_qkv(q, k, v)
+        causal = check_flag("causal", causal)
         opts = {**fixed, **options}
         layout = builder(q.shape[-2], s=k.shape[-2], **opts)
         return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,

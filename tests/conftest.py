@@ -200,16 +200,6 @@ def backend(request) -> Backend:
         yield b
 
 
-def force_threaded(monkeypatch, threads: int = 2):
-    """Make the old :mod:`arrayattn._parallel` split every NumPy problem over ``threads``
-    (kept while variants move to :mod:`arrayattn._numpy`)."""
-    from arrayattn import _parallel
-
-    monkeypatch.setenv("ARRAYATTN_NUM_THREADS", str(threads))
-    monkeypatch.setattr(_parallel, "MIN_WORK", 0)
-    monkeypatch.setattr(_parallel, "BLOCK_BYTES", 1)
-
-
 @pytest.fixture
 def np_backend() -> Backend:
     return get_backend("numpy")

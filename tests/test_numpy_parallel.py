@@ -105,6 +105,37 @@ class TestMaps:
         np.testing.assert_allclose(parallel.cumsum_(x.copy(), axis=0), np.cumsum(x, axis=0))
 
 
+def test_svd_pinv_split_equals_whole(rng):
+    """The NumPy engine's SVD pinv: groups of whole matrices in threads, each SVD the
+    same call, bit for bit."""
+    from arrayattn._numpy import linalg as engine
+    from arrayattn._numpy.parallel import split_everything, split_rows
+    a = rng.standard_normal((3, 4, 6, 5)).astype(np.float32)
+    rtol = 6 * float(np.finfo(np.float32).eps)
+    whole = engine.pinv_svd(a, rtol)
+    with split_everything(2):
+        assert len(split_rows(12, row_bytes=4 * 6 * 5 * 5)) > 1
+        split = engine.pinv_svd(a, rtol)
+    assert split.shape == (3, 4, 5, 6)
+    np.testing.assert_array_equal(split, whole)
+    np.testing.assert_array_equal(whole, np.linalg.pinv(a, rtol=rtol))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_exact_split_is_bit_identical(rng, causal):
+    """Blockwise exact attention splits whole query blocks over threads: every output
+    row is the same computation, bit for bit, however the blocks are spread."""
+    from conftest import implementation
+    q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(2, 3), n=96, d=16,
+                                                      norm=8.0, sharp=True))
+    rec = arrayattn.get_variant("softmax_blockwise")
+    with implementation("engine"):
+        whole = rec(q, k, v, block_size=16, causal=causal)
+    with implementation("engine_split"):
+        split = rec(q, k, v, block_size=16, causal=causal)
+    np.testing.assert_array_equal(split, whole)
+
+
 RECORDS = arrayattn.variants()
 
 

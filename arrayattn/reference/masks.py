@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
-__all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys"]
+__all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys", "attend"]
 
 
 def causal_mask(xp, n: int, s: int, *, device, shift: int | None = None, row0: int = 0,
@@ -59,3 +59,20 @@ def zero_masked_keys(key_mask, *arrays):
     xp = array_namespace(*arrays)
     out = tuple(xp.where(key_mask[..., None], x, 0.0) for x in arrays)
     return out if len(out) != 1 else out[0]
+
+
+def attend(scores, v, allowed=None):
+    """``(softmax(scores) @ v, lse)`` over the ``allowed`` keys: the output and the
+    log-sum-exp of the allowed scores ``(..., n)`` (``-inf`` for a row with no allowed
+    key, whose output is 0).  The log-sum-exps let partial attentions over disjoint key
+    sets be merged exactly (the online-softmax merge)."""
+    xp = array_namespace(scores, v)
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -xp.inf)
+    m = xp.max(scores, axis=-1, keepdims=True)
+    m = xp.where(m == -xp.inf, 0.0, m)
+    p = xp.exp(scores - m)
+    total = xp.sum(p, axis=-1, keepdims=True)
+    safe = xp.where(total > 0, total, 1.0)
+    lse = xp.where(total > 0, xp.log(safe) + m, -xp.inf)
+    return (p @ v) / safe, lse[..., 0]
