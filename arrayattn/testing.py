@@ -327,12 +327,15 @@ def _prep_sdpa(q, k, v, params):
         if m.dtype == bool:
             opts["mask"] = m
         else:
-            if not np.all((m == 0) | (m == -np.inf)):
+            if _accepts("softmax", "bias"):
+                opts["bias"] = m
+            elif not np.all((m == 0) | (m == -np.inf)):
                 raise ValueError(
                     "a float attn_mask with values other than 0 and -inf is an additive "
                     "logit bias; softmax_attention has no bias option yet (NEEDED.md: "
                     "'bias'), so only 0/-inf float masks can be validated")
-            opts["mask"] = m == 0
+            else:
+                opts["mask"] = m == 0
     if o["scale"] is not None:
         opts["scale"] = float(o["scale"])
     return Prepared("softmax", q, k, v, opts)
