@@ -428,6 +428,10 @@ def _prep_hf_nystromformer(q, k, v, params):
     if o["conv_weight"] is not None:
         opts["conv_kernel"] = _conv_taps(o["conv_weight"])
     if m == n:  # HF computes exact softmax attention here (plus the conv)
+        if "conv_kernel" not in opts:
+            return Prepared("softmax", q, k, v, {})
+        # softmax has no conv skip: Nystrom with every token a landmark and the SVD
+        # pinv is softmax attention, with a tolerance from its (larger) float32 error
         opts.update(pinv="svd")
         return Prepared("nystrom_svd", q, k, v, opts)
     # HF's "original" Z0 = A^T / max colsum over the whole batch and all heads; the rows
