@@ -367,13 +367,16 @@ def _prep_performer_pytorch(q, k, v, params):
                     "performer_attention has no such option yet (NEEDED.md 'feature_eps'): "
                     "a mismatch is expected. With eps=0 in the port it matches.")
     if causal and o["causal_eps"]:
-        if _accepts(variant, "denominator_eps"):
-            opts["denominator_eps"] = float(o["causal_eps"])
+        if _accepts(variant, "key_sum_eps"):
+            # in arrayattn's units: the generalized features carry m^-1/2, the port's not
+            m = np.shape(o["projection_matrix"])[0]
+            opts["key_sum_eps"] = float(o["causal_eps"]) / (
+                math.sqrt(m) if o["generalized_attention"] else 1.0)
         else:
             notes.append(
-                f"performer-pytorch's causal path adds eps={o['causal_eps']:g} to the key "
-                "feature prefix sums (performer_pytorch.py:188, 208-210); no such option "
-                "yet (NEEDED.md 'denominator_eps').")
+                f"performer-pytorch's causal path adds eps={o['causal_eps']:g} to every "
+                "component of the key-feature prefix sums (performer_pytorch.py:188, "
+                "208-210); no such option yet (NEEDED.md 'key_sum_eps').")
     return Prepared(variant, q, k, v, opts, notes=notes)
 
 
@@ -459,6 +462,11 @@ def _prep_fast_transformers(q, k, v, params):
 def _prep_fla(q, k, v, params):
     """fla ``chunk_linear_attn`` / ``fused_chunk_linear_attn`` / ``naive_*_linear_attn``."""
     o = _take(params, "fla", {"normalize": True, "scale": None, "eps": 1e-10})
+    scale = q.shape[-1] ** -0.5 if o["scale"] is None else float(o["scale"])
+    if not o["normalize"] and _accepts("linear_elu", "normalize"):
+        # o_i = sum_{j<=i} (scale q_i . k_j) v_j: the scale moves onto q
+        return Prepared("linear_elu", q * scale, k, v,
+                        {"feature_map": _identity, "causal": True, "normalize": False})
     if not o["normalize"]:
         raise ValueError("fla with normalize=False is unnormalised causal linear attention "
                          "(o_i = sum_{j<=i} scale (q_i.k_j) v_j); linear_attention has no "
@@ -469,8 +477,7 @@ def _prep_fla(q, k, v, params):
     notes = []
     if o["eps"]:
         if _accepts("linear_elu", "denominator_eps"):
-            opts["denominator_eps"] = float(o["eps"]) / (
-                q.shape[-1] ** -0.5 if o["scale"] is None else float(o["scale"]))
+            opts["denominator_eps"] = float(o["eps"]) / scale  # fla's den is scaled
         else:
             notes.append(f"fla adds {o['eps']:g} to the scaled denominator "
                          "(ops/linear_attn/utils.py:29, naive.py:39); not reproduced")
@@ -515,7 +522,8 @@ PROFILES = {p.name: p for p in (
             "eps (softmax_kernel, default 1e-4), causal_eps (default 1e-6)",
             "softmax_kernel adds eps = 1e-4 to the features after the max shift and the key "
             "shift is one max over all keys; the causal path adds 1e-6 to the key prefix "
-            "sums: neither is reproduced yet (NEEDED.md). The generalized kernel "
+            "sums: neither is reproduced yet (NEEDED.md 'feature_eps', 'key_sum_eps'). The "
+            "generalized kernel "
             "relu(w.x) + kernel_epsilon is reproduced exactly (a callable kind).",
             _prep_performer_pytorch),
     Profile("lucidrains_nystrom", "nystrom-attention NystromAttention (attention core)",

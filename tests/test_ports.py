@@ -161,7 +161,7 @@ def test_performer_softmax_kernel_without_eps(causal, quiet_performer):
 
 
 @pytest.mark.xfail(strict=True, reason="needs performer_attention(feature_eps=, "
-                   "denominator_eps=), see NEEDED.md")
+                   "key_sum_eps=), see NEEDED.md")
 @pytest.mark.parametrize("causal", [False, True])
 def test_performer_softmax_kernel_as_shipped(causal, quiet_performer):
     out, q, k, v, proj = run_performer(causal=causal)
@@ -182,7 +182,7 @@ def test_performer_generalized_relu_causal_without_eps(quiet_performer):
                              causal=True, causal_eps=0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="needs performer_attention(denominator_eps=), "
+@pytest.mark.xfail(strict=True, reason="needs performer_attention(key_sum_eps=), "
                    "see NEEDED.md")
 def test_performer_generalized_relu_causal_as_shipped(quiet_performer):
     out, q, k, v, proj = run_performer(generalized=True, causal=True)
