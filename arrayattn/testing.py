@@ -140,6 +140,12 @@ class Comparison:
         ``(query, column)`` of the largest error in each head.
     own_error : ndarray, shape ``(heads,)``
         Largest error of arrayattn's own evaluation in the output's precision.
+    ref_scale : ndarray, shape ``(heads,)``
+        The head's largest reference entry (``rel = max_abs / ref_scale``).
+    profile : str or None
+        The port profile the comparison used.
+    notes : list of str
+        Known deviations a profile could not reproduce, and other remarks.
     """
 
     def __init__(self, variant, dtype, heads, max_abs, rel, tolerance, worst, own_error,
@@ -604,7 +610,9 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, layout=None, pr
     -------
     Comparison
         Per-head errors, tolerances and worst positions; ``.ok``, ``.verdict()``,
-        ``.table()``.
+        ``.table()``; ``.rel`` (this output against float64) beside ``.own_rel`` (the
+        float32 -- or float64 -- rounding baseline: what a faithful implementation
+        achieves on these inputs), stated in the verdict by ``.precision()``.
 
     Notes
     -----
