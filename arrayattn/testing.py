@@ -314,12 +314,12 @@ def _prep_sdpa(q, k, v, params):
     if o["dropout_p"]:
         raise ValueError("dropout_p must be 0 to validate SDPA (dropout is random)")
     if o["enable_gqa"]:
-        hq, hk = q.shape[-3], k.shape[-3]
-        if q.ndim < 3 or hq % hk:
+        if q.ndim < 3 or k.ndim < 3 or q.shape[-3] % k.shape[-3]:
             raise ValueError(f"enable_gqa needs q heads a multiple of k heads; got q "
                              f"{q.shape}, k {k.shape}")
         # SDPA's GQA repeats each key/value head over hq // hk consecutive query heads
-        k, v = (np.repeat(x, hq // hk, axis=-3) for x in (k, v))
+        group = q.shape[-3] // k.shape[-3]
+        k, v = (np.repeat(x, group, axis=-3) for x in (k, v))
     n, s = q.shape[-2], k.shape[-2]
     opts = {}
     if o["is_causal"] and o["attn_mask"] is not None:
