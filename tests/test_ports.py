@@ -352,3 +352,27 @@ def test_fla_naive_unnormalised():
     with torch.no_grad():
         out, _ = naive.naive_recurrent_linear_attn(q, k, v)  # normalize=False (its default)
     assert_matches_reference(out, None, q, k, v, profile="fla", normalize=False)
+
+
+@pytest.mark.parametrize("n", [1024, 16384])
+@pytest.mark.parametrize("kernel", ["chunk_linear_attn", "fused_chunk_linear_attn"])
+def test_fla_triton_kernels_on_gpu(kernel, n):
+    """fla's Triton kernels (GPU only): the verdict states their float32 error against
+    float64 beside the faithful float32 baseline.  Measured on an H100 (issue #17): 1.45e-3
+    against 1.5e-7 -- a MISMATCH under the rounding-level tolerance, reported here as an
+    expected failure with the numbers (``pytest -rx``), never hidden by a wider tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("fla's Triton kernels need a CUDA GPU")
+    pytest.importorskip("triton", reason="triton is not installed")
+    ops = pytest.importorskip("fla.ops.linear_attn", reason="fla is not installed")
+    rng = np.random.default_rng(40)
+    q, k, v = (torch.as_tensor(np.swapaxes(x, 1, 2).copy(), dtype=torch.float32,
+                               device="cuda")
+               for x in make_qkv(rng, batch=(1, 8), n=n, d=D))     # (1, n, 8, 64)
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    with torch.no_grad():
+        out, _ = getattr(ops, kernel)(fq, fk, v, normalize=True)
+    c = compare_to_reference(out, None, fq, fk, v, profile="fla")
+    assert c.rel.shape == (8,) and np.all(np.isfinite(c.rel))
+    if not c.ok:
+        pytest.xfail(f"fla {kernel} n={n}: {c.precision()}")
