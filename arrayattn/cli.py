@@ -93,8 +93,8 @@ def load_npz(path: str) -> dict:
     return arrays
 
 
-def run_validate(path: str, variant: str, options=(), *, rtol=None, out=None,
-                 err=None) -> int:
+def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
+                 err=None, layout=None, profile=None) -> int:
     """The ``validate`` command: print the per-head table and the verdict; exit code."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -102,7 +102,9 @@ def run_validate(path: str, variant: str, options=(), *, rtol=None, out=None,
     from .testing import compare_to_reference
 
     try:
-        rec = get_variant(variant)
+        if variant is None and profile is None:
+            raise UsageError("give --variant, or --profile (which names the variant)")
+        rec = None if variant is None else get_variant(variant)
         params = dict(parse_option(o) for o in options)
         arrays = load_npz(path)
         extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
@@ -111,16 +113,17 @@ def run_validate(path: str, variant: str, options=(), *, rtol=None, out=None,
             raise UsageError(f"option(s) {', '.join(clash)} given both in {path} and with "
                              "--option")
         params.update(extra)
-        if rec.random and not extra:
+        if rec is not None and rec.random and not extra and profile is None:
             print(f"note: {rec.name} is random and {path} holds no random matrix; the "
                   "reference draws its own from the seed option", file=err)
         try:
             c = compare_to_reference(arrays["out"], rec, arrays["q"], arrays["k"],
-                                     arrays["v"], rtol=rtol, **params)
+                                     arrays["v"], rtol=rtol, layout=layout,
+                                     profile=profile, **params)
         except (ValueError, TypeError) as exc:  # shapes, dtypes, options the variant rejects
             raise UsageError(f"{path}: {exc}") from None
         except Exception as exc:  # anything else the reference raised on these inputs
-            raise UsageError(f"{path}: the reference {rec.name} raised "
+            raise UsageError(f"{path}: the reference {c_name(rec, profile)} raised "
                              f"{type(exc).__name__}: {exc}") from None
     except UsageError as exc:
         print(f"arrayattn validate: error: {exc}", file=err)
@@ -130,7 +133,10 @@ def run_validate(path: str, variant: str, options=(), *, rtol=None, out=None,
         return 2
     shown = {key: (f"array{tuple(val.shape)}" if hasattr(val, "shape") else val)
              for key, val in params.items()}
-    print(f"{path}: {rec.name}, q {arrays['q'].shape}, k {arrays['k'].shape}, "
+    print(f"{path}: {c.variant}"
+          + (f" (profile {c.profile})" if c.profile else "")
+          + (f", layout {layout}" if layout else "")
+          + f", q {arrays['q'].shape}, k {arrays['k'].shape}, "
           f"v {arrays['v'].shape}, out {arrays['out'].shape} {c.dtype}"
           + (f", options {shown}" if shown else ""), file=out)
     print(c.table(), file=out)
@@ -140,8 +146,13 @@ def run_validate(path: str, variant: str, options=(), *, rtol=None, out=None,
     return 0 if c.ok else 1
 
 
+def c_name(rec, profile) -> str:
+    return rec.name if rec is not None else f"of profile {profile}"
+
+
 def _validate(args) -> int:
-    return run_validate(args.file, args.variant, args.option, rtol=args.rtol)
+    return run_validate(args.file, args.variant, args.option, rtol=args.rtol,
+                        layout=args.layout, profile=args.profile)
 
 
 def _report(args) -> int:
@@ -226,13 +237,21 @@ def main(argv=None) -> int:
         "matrices such as omega, e, f; masks) are passed as options of the same name. "
         "Exit 0 match, 1 mismatch, 2 usage error or malformed file.")
     val.add_argument("file", metavar="FILE.npz")
-    val.add_argument("--variant", required=True, help="registry name (arrayattn report lists them)")
+    val.add_argument("--variant", default=None, help="registry name (arrayattn report "
+                     "lists them); optional with --profile")
     val.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="a scalar option of the variant (int, float, true/false, none or "
                      "a string); repeat for several")
     val.add_argument("--rtol", type=float, default=None,
                      help="override the derived tolerance: max-abs error per head "
                      "relative to the head's largest reference entry")
+    from .testing import LAYOUTS, PROFILES
+    val.add_argument("--layout", choices=LAYOUTS, default=None,
+                     help="axis order of q, k, v, out: bhnd (..., heads, tokens, dim; "
+                     "default) or bnhd (batch, tokens, heads, dim: fla, flash-attn)")
+    val.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                     help="a port's conventions (docs/validating.rst); --option then takes "
+                     "the port's own options")
     val.set_defaults(func=_validate)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -288,9 +288,17 @@ class TestValidateCommand:
         code, _, err = self.run(capsys, files["ok"], "--variant", "softmax", "--option",
                                 "block_size=-3")
         assert code == 2 and "block_size" in err
-        with pytest.raises(SystemExit) as exc:  # argparse: --variant is required
-            main(["validate", files["ok"]])
+        code, _, err = self.run(capsys, files["ok"])  # neither --variant nor --profile
+        assert code == 2 and "--variant" in err and "--profile" in err
+        with pytest.raises(SystemExit) as exc:  # argparse: unknown layout / profile
+            main(["validate", files["ok"], "--variant", "softmax", "--layout", "nhbd"])
         assert exc.value.code == 2
+        with pytest.raises(SystemExit) as exc:
+            main(["validate", files["ok"], "--profile", "no_such_port"])
+        assert exc.value.code == 2
+        code, _, err = self.run(capsys, files["ok"], "--profile", "sdpa", "--option",
+                                "causal=true")  # a profile takes the port's own options
+        assert code == 2 and "is_causal" in err and "causal" in err
 
     def test_subprocess_exit_codes(self, files):
         """``python -m arrayattn validate`` as a user runs it."""
@@ -363,3 +371,135 @@ class TestPeerRandomMatrices:
         out = (w / w.sum(-1, keepdims=True)) @ (f @ v)
         self.check(tmp_path, capsys, "linformer", out.astype(np.float32), (0, 2),
                    q=q, k=k, v=v, e=e, f=f)
+
+
+def top_left_attention(q, k, v, dtype=np.float32):
+    """SDPA's ``is_causal`` (query i sees keys j <= i, top-left), written in NumPy."""
+    q, k, v = (np.asarray(x, dtype) for x in (q, k, v))
+    logits = q @ np.swapaxes(k, -1, -2) / np.asarray(np.sqrt(q.shape[-1]), dtype)
+    n, s = logits.shape[-2:]
+    logits = np.where(np.tril(np.ones((n, s), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return ((w / w.sum(-1, keepdims=True)) @ v).astype(dtype)
+
+
+class TestLayoutAndProfiles:
+    """``layout=`` and ``profile=`` without any port installed (NumPy stand-ins)."""
+
+    def test_bnhd_layout_equals_bhnd(self, qkv32):
+        q, k, v = qkv32
+        out = plain_attention(q, k, v, causal=True)
+        t = (lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2)))
+        a = compare_to_reference(out, "softmax", q, k, v, causal=True)
+        b = compare_to_reference(t(out), "softmax", t(q), t(k), t(v), causal=True,
+                                 layout="bnhd")
+        assert a.ok and b.ok and a.heads == b.heads
+        np.testing.assert_array_equal(a.max_abs, b.max_abs)
+        bad = t(out)
+        bad[1, 10, 2, 4] += 1e-3   # batch 1, token 10, head 2
+        c = compare_to_reference(bad, "softmax", t(q), t(k), t(v), causal=True, layout="bnhd")
+        assert [c.heads[i] for i in c.failing] == [(1, 2)] and c.worst[c.failing[0]] == (10, 4)
+
+    def test_bnhd_key_mask_is_batch_by_tokens(self, rng):
+        q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(2, 3), n=24, d=8))
+        km = rng.random((2, 24)) < 0.7
+        out = plain_attention(q, k, v, key_mask=km[:, None, :])
+        t = (lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2)))
+        assert_matches_reference(t(out), "softmax", t(q), t(k), t(v), key_mask=km,
+                                 layout="bnhd")
+
+    def test_bad_layout(self, qkv32):
+        q, k, v = qkv32
+        with pytest.raises(ValueError, match="layout"):
+            compare_to_reference(q, "softmax", q, k, v, layout="nhbd")
+
+    @pytest.mark.parametrize("n, s", [(24, 40), (40, 24)])
+    def test_sdpa_profile_top_left(self, rng, n, s):
+        q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(2, 3), n=n, s=s, d=16,
+                                                           norm=6.0, sharp=True))
+        out = top_left_attention(q, k, v)
+        assert compare_to_reference(out, None, q, k, v, profile="sdpa", is_causal=True).ok
+        c = compare_to_reference(out, "softmax", q, k, v, causal=True)  # end-aligned
+        assert not c.ok and c.rel.max() > 0.1
+
+    def test_sdpa_profile_gqa_and_scale(self, rng):
+        q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(2, 6), n=32, d=16))
+        kk, vv = k[:, ::3], v[:, ::3]                       # 2 key/value heads
+        out = plain_attention(q * np.float32(0.7 * 4.0), np.repeat(kk, 3, axis=1),
+                              np.repeat(vv, 3, axis=1))      # scale 0.7 = 0.7*4 / sqrt(16)
+        assert_matches_reference(out, None, q, kk, vv, profile="sdpa", enable_gqa=True,
+                                 scale=0.7, rtol=None)
+        with pytest.raises(AssertionError):  # wrong grouping (tile, not repeat) is caught
+            assert_matches_reference(plain_attention(q, np.tile(kk, (1, 3, 1, 1)),
+                                                     np.tile(vv, (1, 3, 1, 1))),
+                                     None, q, kk, vv, profile="sdpa", enable_gqa=True)
+
+    def test_profile_errors(self, qkv32):
+        q, k, v = qkv32
+        with pytest.raises(ValueError, match="profile must be one of"):
+            compare_to_reference(q, None, q, k, v, profile="nope")
+        with pytest.raises(ValueError, match="unknown option"):
+            compare_to_reference(q, None, q, k, v, profile="sdpa", causal=True)
+        with pytest.raises(ValueError, match="validates 'softmax'"):
+            compare_to_reference(q, "linear_elu", q, k, v, profile="sdpa")
+        with pytest.raises(ValueError, match="variant is required"):
+            compare_to_reference(q, None, q, k, v)
+        with pytest.raises(ValueError, match="projection_matrix"):
+            compare_to_reference(q, None, q, k, v, profile="performer_pytorch")
+
+    def test_lucidrains_front_padding_profile(self, rng):
+        """The profile pads zero tokens in front (the port's F.pad) and keeps the last n."""
+        q, k, v = make_qkv(rng, batch=(2, 2), n=30, d=8)
+        z = np.zeros((2, 2, 2, 8))
+        padded = [np.concatenate([z, x], axis=-2) for x in (q, k, v)]
+        out = arrayattn.nystrom_attention(*padded, num_landmarks=8, pinv_init="global")
+        out = out[..., 2:, :]
+        assert_matches_reference(out, None, q, k, v, profile="lucidrains_nystrom",
+                                 num_landmarks=8)
+        assert not compare_to_reference(out, "nystrom_iterative", q, k, v,
+                                        num_landmarks=8, pinv_init="global").ok
+
+    def test_verdict_reports_float64_error_and_baseline(self, qkv32):
+        """A float32 kernel 1e4 x rounding off (fla-like) is named as such, not hidden."""
+        q, k, v = qkv32
+        out = plain_attention(q, k, v)
+        c = compare_to_reference(out, "softmax", q, k, v)
+        assert c.ok and "error vs float64" in c.verdict()
+        assert np.all(c.own_rel > 0) and np.all(c.own_rel < 1e-5)
+        sloppy = out * np.float32(1 + 1e-3)
+        c = compare_to_reference(sloppy, "softmax", q, k, v)
+        text = c.precision()
+        assert not c.ok and "this output 0.001" in text and "faithful float32" in text
+        ratio = float(text.split("(")[-1].split("x")[0])
+        assert ratio > 100
+
+
+class TestValidateLayoutProfileCLI:
+    def run(self, capsys, *argv):
+        code = main(["validate", *argv])
+        cap = capsys.readouterr()
+        return code, cap.out, cap.err
+
+    def test_layout_bnhd(self, capsys, tmp_path, qkv32):
+        q, k, v = qkv32
+        out = plain_attention(q, k, v, causal=True)
+        t = (lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2)))
+        path = str(tmp_path / "bnhd.npz")
+        np.savez(path, q=t(q), k=t(k), v=t(v), out=t(out))
+        code, stdout, err = self.run(capsys, path, "--variant", "softmax", "--option",
+                                     "causal=true", "--layout", "bnhd")
+        assert code == 0, stdout + err
+        code, *_ = self.run(capsys, path, "--variant", "softmax", "--option", "causal=true")
+        assert code == 1  # read as bhnd: tokens taken for heads, a different problem
+
+    def test_profile_sdpa_top_left(self, capsys, tmp_path, rng):
+        q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(2, 2), n=16, s=32, d=8))
+        path = str(tmp_path / "sdpa.npz")
+        np.savez(path, q=q, k=k, v=v, out=top_left_attention(q, k, v))
+        code, stdout, err = self.run(capsys, path, "--profile", "sdpa", "--option",
+                                     "is_causal=true")
+        assert code == 0, stdout + err
+        assert "profile sdpa" in stdout and "error vs float64" in stdout.splitlines()[-1]
+        code, stdout, _ = self.run(capsys, path, "--variant", "softmax", "--option",
+                                   "causal=true")
+        assert code == 1 and stdout.splitlines()[-1].startswith("MISMATCH")
