@@ -571,7 +571,8 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, layout=None, pr
                          **params) -> Comparison:
     r"""Compare another implementation's ``out`` with arrayattn's float64 reference.
 
-    The reference is ``variant(q, k, v, **params)`` evaluated by the registry record in
+    The reference is the variant's reference form (:meth:`Variant.reference`, never an
+    engine), ``variant(q, k, v, **params)`` evaluated by the registry record in
     float64 on the host, from the caller's own inputs (and the caller's own random
     matrices, passed as array ``params``; floating arrays are converted to float64,
     boolean masks are kept).
@@ -690,7 +691,7 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, layout=None, pr
     rec = get_variant(variant)
 
     def evaluate(*args, **options):
-        res = np.asarray(to_numpy(rec(*args, **options)), dtype=np.float64)
+        res = np.asarray(to_numpy(rec.reference(*args, **options)), dtype=np.float64)
         return res if rows is None else res[..., rows, :]
 
     ref = evaluate(q64, k64, v64, **p64)

@@ -79,8 +79,6 @@ def test_sdpa_float_mask_zero_neg_inf():
     assert_matches_reference(out, None, q, k, v, profile="sdpa", attn_mask=fm)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="needs softmax_attention(bias=...), see NEEDED.md 'bias'")
 def test_sdpa_float_mask_additive_bias():
     q, k, v = _qkv(6)
     i = np.arange(N)
