@@ -94,11 +94,14 @@ def entry(xp):
     the engine changes the BLAS thread count while its threads run, so concurrent calls
     are serialised -- each already uses every core -- and a call's result never depends on
     what other threads are doing.  The lock is also what makes ``fork`` safe (the child
-    never inherits it held).
+    never inherits it held).  On the other backends it pins full float32 matmul precision
+    for the call (:mod:`arrayattn._precision`: no silent TF32).
     """
     if array_api_compat.is_numpy_namespace(xp):
         from ._numpy.parallel import LOCK
         with LOCK:
             yield
     else:
-        yield
+        from ._precision import full_precision
+        with full_precision(xp):
+            yield

@@ -11,6 +11,7 @@ import numbers
 
 import numpy as np
 
+from ._engine import entry
 from ._validate import (check_array, check_choice, check_flag, check_key_mask,
                         check_positive_int, check_qkv, check_same_array_kind, check_scale)
 from .reference.masks import zero_masked_keys
@@ -187,6 +188,18 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     k, v, k2, v2 = (xp.astype(x, wd, copy=False) for x in (k, v, k2, v2))
     k, v, k2, v2 = zero_masked_keys(key_mask, k, v, k2, v2)
 
+    with entry(xp):
+        out = _two_levels(p, p2, q, k, v, q2, k2, v2, key_mask=key_mask, s1=s1, s2=s2,
+                          w1=w1, w2=w2, b=b, causal=causal, kappa=kappa, zeta=zeta,
+                          pool=pool)
+    return xp.astype(out, p.dtype, copy=False)
+
+
+def _two_levels(p, p2, q, k, v, q2, k2, v2, *, key_mask, s1, s2, w1, w2, b, causal, kappa,
+                zeta, pool):
+    """Poolingformer's two levels, added: the sliding window over the tokens, and a
+    wider window over pooled keys/values."""
+    xp, wd, dev = p.xp, p.work_dtype, p.device
     # Level 1: the sliding window.
     lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
     wq = xp.astype(q, wd, copy=False) * s1
@@ -209,8 +222,8 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     pm = type(p2)(xp=xp, n=p.n, s=m, d=p2.d, dv=p.dv, batch=p.batch, dtype=p.dtype,
                   work_dtype=wd, device=dev)
     z = block_sparse_attention(pm, xp.astype(q2, wd, copy=False) * s2, kbar, vbar, lay2,
-                      causal=causal, key_mask=valid)
-    return xp.astype(y + z, p.dtype, copy=False)
+                               causal=causal, key_mask=valid)
+    return y + z
 
 
 register(Variant(
