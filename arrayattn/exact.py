@@ -12,6 +12,7 @@ softmax of Milakov & Gimelshein 2018.
 from __future__ import annotations
 
 from . import reference
+from ._devices import default_block_size
 from ._engine import entry, numpy_engine
 from ._heads import grouped_query_heads
 from ._numpy import exact as engine
@@ -56,10 +57,12 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
         mask as SDPA's float ``attn_mask``); broadcasts like ``mask``; ``-inf`` entries
         act as masked (a row with no finite entry returns zeros).  Cast to the working
         dtype.
-    block_size : int, optional
+    block_size : int or "auto", optional
         When given, run the blockwise online-softmax algorithm (FlashAttention) over
         query and key blocks of this size: memory ``O((n + s) d + block^2)`` per batch
-        element instead of ``O(n s)``, same result to rounding.
+        element instead of ``O(n s)``, same result to rounding.  ``"auto"`` chooses per
+        device: 512 on a CPU (a cache-sized tile), 4096 on a GPU (fewer launches; the
+        registry record ``softmax_blockwise`` uses it).
 
     Returns
     -------
@@ -100,6 +103,8 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
     check_key_mask(p, key_mask, q)
     check_mask(p, mask, q)
     bias = check_bias(p, bias, q)
+    if isinstance(block_size, str) and block_size == "auto":
+        block_size = default_block_size(q)
     block_size = check_positive_int("block_size", block_size, allow_none=True)
     scale = check_scale(scale, p.d)
     if p.s == 0:
@@ -152,7 +157,7 @@ register(Variant(
     key_mask=True,
     mask=True,
     normalized=True,
-    defaults={"block_size": 512},
+    defaults={"block_size": "auto"},
     parameter="block_size",
     complexity="O(n s d) time, O((n + s) d + block^2) memory",
     citation="Dao et al. 2022, FlashAttention; Dao 2023, FlashAttention-2",

@@ -60,7 +60,7 @@ class Variant:
     >>> from arrayattn import get_variant
     >>> rec = get_variant("softmax_blockwise")
     >>> rec.family, rec.exact, rec.parameter, rec.parameter_value
-    ('exact', True, 'block_size', 512)
+    ('exact', True, 'block_size', 'auto')
     >>> q = k = v = np.ones((3, 4))
     >>> rec(q, k, v, block_size=2).shape     # the uniform call; options override defaults
     (3, 4)

@@ -75,3 +75,31 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+class TestDeviceDefaults:
+    def test_cpu_arrays(self):
+        from arrayattn._devices import default_block_size, device_kind
+        assert device_kind(np.ones(2)) == "cpu" and default_block_size(np.ones(2)) == 512
+        torch = pytest.importorskip("torch")
+        assert device_kind(torch.ones(2)) == "cpu"
+
+    def test_gpu_branch(self, monkeypatch):
+        """A CUDA tensor's kind, without a GPU: a stand-in with ``device.type``."""
+        import array_api_compat
+        from arrayattn import _devices
+
+        class Cuda:
+            class device:
+                type = "cuda"
+        monkeypatch.setattr(array_api_compat, "is_torch_array", lambda x: isinstance(x, Cuda))
+        assert _devices.device_kind(Cuda()) == "gpu"
+        assert _devices.default_block_size(Cuda()) == _devices.GPU_BLOCK
+
+    def test_auto_block_equals_explicit(self, rng):
+        q, k, v = (rng.standard_normal((2, 600, 8)) for _ in range(3))
+        np.testing.assert_array_equal(
+            arrayattn.softmax_attention(q, k, v, block_size="auto"),
+            arrayattn.softmax_attention(q, k, v, block_size=512))
+        with pytest.raises(TypeError, match="block_size"):
+            arrayattn.softmax_attention(q, k, v, block_size="big")
