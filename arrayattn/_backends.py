@@ -50,8 +50,14 @@ def _import(module: str, backend: str):
     except ImportError as exc:
         raise BackendUnavailable(
             f"backend {backend!r} needs the {module!r} package, which is not installed "
-            f"({exc}); install it (e.g. pip install '{module.split('.')[0]}') or choose "
-            f"another --backend") from None
+            f"({exc}); install it with the project's extra "
+            f"(pip install \"arrayattn[{_EXTRAS.get(backend, backend)}]\"{_HINTS.get(backend, '')}) "
+            f"or choose another --backend") from None
+
+
+#: The pyproject extra that installs each backend, and what it means.
+_EXTRAS = {"torch": "torch", "jax": "jax", "cupy": "cupy", "array_api_strict": "test"}
+_HINTS = {"cupy": ", a cupy-cuda12x wheel: needs an NVIDIA GPU and CUDA 12"}
 
 
 def get_array_backend(name: str, dtype: str = "float32") -> ArrayBackend:

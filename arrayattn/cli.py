@@ -9,6 +9,7 @@ Exit codes of ``validate``: 0 match, 1 mismatch, 2 usage error or malformed file
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import zipfile
 
@@ -16,6 +17,12 @@ REQUIRED = ("q", "k", "v", "out")
 
 
 __all__ = ["UsageError", "parse_option", "load_npz", "run_validate", "main"]
+
+#: Largest array an .npz file may claim (its header is read before the array).
+MAX_BYTES = 2**33
+#: Integer options beyond this (num_features, num_landmarks ...) cannot be meant.
+MAX_OPTION = 10**7
+
 
 class UsageError(Exception):
     """A bad command line or a malformed input file (exit code 2)."""
@@ -72,8 +79,21 @@ def load_npz(path: str) -> dict:
         raise UsageError(f"{path} is a single .npy array, not an .npz archive; save with "
                          "numpy.savez(path, q=q, k=k, v=v, out=out)")
     try:
+        for name in data.files:     # sizes from the headers, before anything is loaded
+            with data.zip.open(name + ".npy") as member:
+                version = np.lib.format.read_magic(member)
+                read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read(member)
+            size = math.prod(shape) * dtype.itemsize
+            if size > MAX_BYTES:
+                raise UsageError(f"{path}: {name} claims shape {shape} of {dtype} "
+                                 f"({size / 2**30:.3g} GiB), more than the {MAX_BYTES / 2**30:.0f} "
+                                 "GiB a validation here may load")
         arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+    except MemoryError:
+        raise UsageError(f"{path}: its arrays do not fit in memory") from None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
         raise UsageError(f"{path}: an array cannot be read ({type(exc).__name__}: "
                          f"{exc})") from None
     finally:
@@ -104,8 +124,19 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
     try:
         if variant is None and profile is None:
             raise UsageError("give --variant, or --profile (which names the variant)")
+        if rtol is not None and not (rtol > 0 and math.isfinite(rtol)):
+            raise UsageError(f"--rtol must be a positive finite number; got {rtol}")
         rec = None if variant is None else get_variant(variant)
         params = dict(parse_option(o) for o in options)
+        for key in ("key_mask", "mask", "bias", "query_mask", "omega", "e", "f"):
+            if key in params:
+                raise UsageError(f"--option {key}=... gives a {type(params[key]).__name__}; "
+                                 f"{key} is an array: store it in the .npz file instead")
+        for key, val in params.items():
+            if isinstance(val, (int, float)) and not isinstance(val, bool) \
+                    and abs(val) > MAX_OPTION:
+                raise UsageError(f"--option {key}={val} is larger than any attention "
+                                 f"computation here could use (limit {MAX_OPTION:.0e})")
         arrays = load_npz(path)
         extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
         clash = sorted(set(extra) & set(params))
@@ -166,6 +197,18 @@ def _report(args) -> int:
     names = None if not args.variants else [x.strip() for x in args.variants.split(",")
                                             if x.strip()]
     try:
+        if args.variants and not names:
+            raise ValueError(f"--variants {args.variants!r} names no variant")
+        if args.seed < 0:
+            raise ValueError(f"--seed must be a non-negative integer; got {args.seed}")
+        for label, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                import os
+                if os.path.isdir(path):
+                    raise ValueError(f"{label} {path} is a directory; give a file name")
+                parent = os.path.dirname(os.path.abspath(path))
+                if not os.path.isdir(parent):
+                    raise ValueError(f"{label} {path}: the directory {parent} does not exist")
         for name in names or ():
             get_variant(name)
         for label, value in (("--n", w.n), ("--d", w.d), ("--heads", w.heads),
@@ -178,7 +221,7 @@ def _report(args) -> int:
             try:
                 importlib.import_module("matplotlib")
             except ImportError:
-                raise ValueError("--plot needs matplotlib (pip install 'arrayattn[plot]')") \
+                raise ValueError('--plot needs matplotlib (pip install "arrayattn[plot]")') \
                     from None
     except (ValueError, BackendUnavailable) as exc:
         print(f"arrayattn report: error: {exc}", file=sys.stderr)
@@ -203,7 +246,9 @@ def _report(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="arrayattn", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="arrayattn", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser(
         "report", help="run every registered variant on a default workload",

@@ -1,0 +1,66 @@
+"""The command line on malformed input: every case a clear message and exit code 2, never
+a traceback (issue #15's probe)."""
+from __future__ import annotations
+
+import io
+import zipfile
+
+import numpy as np
+import pytest
+
+from arrayattn.cli import main
+
+
+@pytest.fixture
+def npz(tmp_path, rng):
+    q, k, v = (rng.standard_normal((2, 8, 4)) for _ in range(3))
+    path = tmp_path / "mine.npz"
+    np.savez(path, q=q, k=k, v=v, out=q)
+    return str(path)
+
+
+@pytest.fixture
+def huge(tmp_path, rng):
+    """An .npz whose ``out`` header claims 1e15 elements."""
+    path = tmp_path / "huge.npz"
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f8", "fortran_order": False, "shape": (10**15,)})
+    with zipfile.ZipFile(path, "w") as z:
+        for name in "qkv":
+            buf = io.BytesIO()
+            np.save(buf, rng.standard_normal((2, 8, 4)))
+            z.writestr(name + ".npy", buf.getvalue())
+        z.writestr("out.npy", header.getvalue())
+    return str(path)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rtol", "-1"], "--rtol must be a positive finite number"),
+    (["--rtol", "nan"], "--rtol must be a positive finite number"),
+    (["--option", "key_mask=true"], "key_mask is an array"),
+    (["--option", "num_features=1e12"], "larger than any attention computation"),
+])
+def test_validate_usage_errors(npz, capsys, extra, message):
+    assert main(["validate", npz, "--variant", "softmax", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_validate_huge_header_refused_before_loading(huge, capsys):
+    assert main(["validate", huge, "--variant", "softmax"]) == 2
+    assert "claims shape (1000000000000000,)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "-1"], "--seed must be a non-negative integer"),
+    (["--variants", ","], "names no variant"),
+    (["--json", "/nonexistent-dir/r.json"], "does not exist"),
+])
+def test_report_usage_errors(argv, message, capsys):
+    assert main(["report", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_json_onto_a_directory(tmp_path, capsys):
+    assert main(["report", "--quiet", "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
