@@ -45,7 +45,7 @@ from ._backends import get_array_backend
 from ._xp import to_numpy
 from .registry import attention_matrix, get_variant, variants
 
-__all__ = ["Workload", "Row", "Progress", "make_inputs", "reference", "run_report",
+__all__ = ["Workload", "Row", "Progress", "kind_of", "baseline_row", "make_inputs", "reference", "run_report",
            "format_table", "rows_as_dicts", "parameter_default", "sweep_values", "run_sweeps",
            "sweep_steps", "plot_report", "machine_info", "write_json"]
 
@@ -119,6 +119,38 @@ class Row:
     peak_mib: float | None = None
     error: str = ""
     times_ms: list = field(default_factory=list)
+    kind: str = ""
+    min_ms: float | None = None
+
+
+#: Variants that are architectures of their own, trained as such: their distance from
+#: softmax attention is not an approximation error (Linformer with random E/F, Luna,
+#: Poolingformer, and the gated/delta-rule recurrences).
+OWN_ARCHITECTURE = {"linformer", "luna", "poolingformer"}
+BASELINE = "baseline (mean of v)"
+
+
+def kind_of(rec) -> str:
+    """``"exact"``, ``"approximates softmax"`` or ``"own architecture"``."""
+    if rec.exact:
+        return "exact"
+    if rec.name in OWN_ARCHITECTURE or rec.family == "gated":
+        return "own architecture"
+    return "approximates softmax"
+
+
+def baseline_row(case: str, v, ref, exact_a) -> Row:
+    """The trivial answer "the mean of v for every query" (uniform attention): an
+    approximation that does worse than this is worse than useless (on real transformer
+    heads it scores about 0.8)."""
+    out = np.broadcast_to(v.mean(axis=-2, keepdims=True), ref.shape)
+    row = Row(BASELINE, case, "", "", kind="baseline")
+    row.rel_error = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    row.row_sum_dev = 0.0
+    if exact_a is not None:
+        uniform = np.full_like(exact_a, 1.0 / exact_a.shape[-1])
+        row.matrix_error = float(np.abs(uniform - exact_a).sum(axis=-1).max())
+    return row
 
 
 def _host(x):
@@ -230,14 +262,16 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
         if w.n <= MATRIX_MAX_N:
             qa, ka = host[0][:1, :1, ...], host[1][:1, :1, ...]
             exact_a = reference(qa, ka, np.eye(ka.shape[-2]))
+        rows.append(baseline_row(case, host[2], ref, exact_a))
         for rec in recs:
-            row = Row(rec.name, case, rec.family, _param_label(rec))
+            row = Row(rec.name, case, rec.family, _param_label(rec), kind=kind_of(rec))
             try:
                 out, times, peak = _timed(be, rec, q, k, v, w.repeats)
                 o = _host(out)
                 row.rel_error = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
                 row.times_ms = [t * 1e3 for t in times]
                 row.median_ms = statistics.median(row.times_ms)
+                row.min_ms = min(row.times_ms)
                 row.peak_mib = None if peak is None else peak / 2**20
                 if not getattr(rec, "linear_in_v", True):
                     pass  # no implied matrix: the weights depend on v
@@ -260,7 +294,7 @@ def _fmt(x, spec):
 def format_table(rows) -> str:
     """The report table (plain text, aligned columns)."""
     head = ["variant", "case", "parameter", "rel. error", "matrix err", "row-sum dev",
-            "median ms", "peak MiB"]
+            "min ms", "median ms", "peak MiB", "kind"]
     body = []
     for r in rows:
         if r.error:
@@ -268,7 +302,8 @@ def format_table(rows) -> str:
             continue
         body.append([r.variant, r.case, r.parameter, _fmt(r.rel_error, ".2e"),
                      _fmt(r.matrix_error, ".2e"), _fmt(r.row_sum_dev, ".1e"),
-                     _fmt(r.median_ms, ".1f"), _fmt(r.peak_mib, ".1f")])
+                     _fmt(r.min_ms, ".1f"), _fmt(r.median_ms, ".1f"),
+                     _fmt(r.peak_mib, ".1f"), r.kind])
     widths = [max(len(row[i]) for row in [head] + [b for b in body if len(b) == len(head)])
               for i in range(len(head))]
     lines = ["  ".join(h.ljust(wd) for h, wd in zip(head, widths)).rstrip(),
@@ -355,21 +390,28 @@ def plot_report(rows, sweeps, path, w: Workload) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(19, 5.2))
-    names = list(dict.fromkeys(r.variant for r in rows))
+    names = list(dict.fromkeys(r.variant for r in rows if r.kind != "baseline"))
+    approximations = {n for n in names if kind_of(get_variant(n)) == "approximates softmax"}
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
     color = {name: cmap(i % cmap.N) for i, name in enumerate(names)}
     marker = {name: "osD^v<>"[(i // cmap.N) % 7] for i, name in enumerate(names)}
     for ax, case in zip(axes[:2], CASES):
         for name in names:
-            pts = [p for p in sweeps["errors"]
-                   if p["variant"] == name and p["case"] == case and "rel_error" in p]
+            pts = [p for p in sweeps["errors"] if name in approximations
+                   and p["variant"] == name and p["case"] == case and "rel_error" in p]
             if not pts:
                 continue
             xs = [p["value"] for p in pts]
             ys = [max(p["rel_error"], 1e-17) for p in pts]
             ax.plot(xs, ys, "-", marker=marker[name], color=color[name])
+        for r in rows:  # the mean-of-v baseline: above it an approximation is useless
+            if r.case == case and r.kind == "baseline":
+                ax.axhline(r.rel_error, color="black", ls=":", lw=1.5)
+                ax.text(1.0, r.rel_error, " baseline", transform=ax.get_yaxis_transform(),
+                        va="bottom", ha="right", fontsize=7)
         for r in rows:  # exact variants: their error as a horizontal reference
-            if r.case == case and r.rel_error is not None and get_variant(r.variant).exact:
+            if (r.case == case and r.rel_error is not None and r.kind != "baseline"
+                    and get_variant(r.variant).exact):
                 ax.axhline(max(r.rel_error, 1e-17), color=color[r.variant], ls="--", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

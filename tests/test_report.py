@@ -43,13 +43,19 @@ def toy_variants(monkeypatch):
 
 
 def table_rows(text):
-    return [ln.split() for ln in text.strip().splitlines()[2:]]
+    """The variants' rows of the printed table (the baseline rows aside)."""
+    return [ln.split() for ln in text.strip().splitlines()[2:]
+            if not ln.startswith("baseline")]
+
+
+def variant_rows(rows):
+    return [r for r in rows if r.kind != "baseline"]
 
 
 class TestReportNumbers:
     def test_columns_against_independent_computation(self):
         w = Workload(n=40, d=8, heads=3, batch=2, dtype="float64", repeats=2)
-        rows = {(r.variant, r.case): r for r in run_report(w, ["softmax"])}
+        rows = {(r.variant, r.case): r for r in variant_rows(run_report(w, ["softmax"]))}
         assert set(rows) == {("softmax", c) for c in CASES}
         for case in CASES:
             r = rows[("softmax", case)]
@@ -99,7 +105,8 @@ class TestReportNumbers:
                 linear_in_v = False
             rec = NotLinear(**kw)
         monkeypatch.setitem(registry._REGISTRY, rec.name, rec)
-        rows = run_report(Workload(n=32, d=8, heads=1, repeats=1), ["toy_nonlinear"])
+        rows = variant_rows(run_report(Workload(n=32, d=8, heads=1, repeats=1),
+                                       ["toy_nonlinear"]))
         assert all(r.matrix_error is None and r.row_sum_dev is None and r.rel_error > 0
                    for r in rows)
 
@@ -135,7 +142,7 @@ class TestReportCommand:
         assert code == 0, cap.err
         names = [r.name for r in arrayattn.variants()]
         assert [r[0] for r in table_rows(cap.out)] == names * len(CASES)
-        assert len(json.loads(js.read_text())["rows"]) == len(names) * len(CASES)
+        assert len(json.loads(js.read_text())["rows"]) == (len(names) + 1) * len(CASES)
 
     def test_table_json_plot(self, tmp_path, capsys, toy_variants):
         pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the plot extra)")
@@ -151,7 +158,7 @@ class TestReportCommand:
         assert re.search(r"\[#+\] (\d+)/\1 ", cap.err)
         data = json.loads(js.read_text())
         assert data["workload"]["n"] == 48 and data["machine"]["numpy"] == np.__version__
-        assert len(data["rows"]) == len(names) * len(CASES)
+        assert len(data["rows"]) == (len(names) + 1) * len(CASES)
         swept = {p["variant"] for p in data["sweeps"]["errors"]}
         assert "toy_window" in swept
         assert not any(arrayattn.get_variant(name).exact for name in swept)
@@ -208,3 +215,17 @@ class TestReportCommand:
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr
         assert len(table_rows(res.stdout)) == len(arrayattn.variants()) * len(CASES)
+
+
+def test_baseline_row_and_kinds():
+    """Every case has the mean-of-v baseline; each variant says whether it approximates
+    softmax attention or is an architecture of its own."""
+    rows = run_report(Workload(n=64, d=8, heads=1, repeats=1),
+                      ["softmax", "performer_positive", "linformer"])
+    base = [r for r in rows if r.kind == "baseline"]
+    assert [r.case for r in base] == list(CASES)
+    assert all(0.0 < r.rel_error < 2.0 and r.row_sum_dev == 0.0 for r in base)
+    kinds = {r.variant: r.kind for r in rows if r.kind != "baseline"}
+    assert kinds == {"softmax": "exact", "performer_positive": "approximates softmax",
+                     "linformer": "own architecture"}
+    assert all(r.min_ms <= r.median_ms for r in rows if r.kind != "baseline")
