@@ -129,7 +129,7 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
         rec = None if variant is None else get_variant(variant)
         params = dict(parse_option(o) for o in options)
         for key in ("key_mask", "mask", "bias", "query_mask", "omega", "e", "f"):
-            if key in params:
+            if params.get(key) is not None:
                 raise UsageError(f"--option {key}=... gives a {type(params[key]).__name__}; "
                                  f"{key} is an array: store it in the .npz file instead")
         for key, val in params.items():
@@ -173,8 +173,38 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
     print(c.table(), file=out)
     for note in c.notes:
         print(f"note: {note}", file=err)
+    if not c.ok:
+        hint = _top_left_hint(c, arrays, params, rtol, layout, profile)
+        if hint:
+            print(hint, file=out)
     print(c.verdict(), file=out)
     return 0 if c.ok else 1
+
+
+def _top_left_hint(c, arrays, params, rtol, layout, profile):
+    """A causal mismatch with ``n != s`` that matches with top-left alignment (torch
+    SDPA's ``is_causal``: query ``i`` sees keys ``j <= i``) says so."""
+    import numpy as np
+
+    from .testing import compare_to_reference
+
+    q, k = arrays["q"], arrays["k"]
+    n, s = (q.shape[-3], k.shape[-3]) if layout == "bnhd" else (q.shape[-2], k.shape[-2])
+    if profile is not None or params.get("causal") is not True or n == s or "mask" in params:
+        return ""
+    top_left = np.arange(s)[None, :] <= np.arange(n)[:, None]
+    try:
+        alt = compare_to_reference(arrays["out"], c.variant, q, k, arrays["v"], rtol=rtol,
+                                   layout=layout, **{**params, "causal": False,
+                                                     "mask": top_left})
+    except Exception:  # the variant takes no mask: no hint
+        return ""
+    if not alt.ok:
+        return ""
+    return ("hint: this output MATCHES with top-left causal alignment (query i sees keys "
+            "j <= i, as torch SDPA's is_causal); arrayattn aligns causal masks at the end "
+            "(j <= i + s - n, as FlashAttention-2). Validate with --profile sdpa, or pass "
+            "the top-left mask in the .npz as mask=")
 
 
 def c_name(rec, profile) -> str:

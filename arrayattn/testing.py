@@ -202,12 +202,13 @@ class Comparison:
         if self.ok:
             i = int(np.argmax(self.max_abs / np.maximum(self.tolerance, 1e-300)))
             return (f"MATCH: {self.variant}, {h} head(s), {self.dtype} output; worst "
-                    f"head {self.heads[i]} max abs error {self.max_abs[i]:.3g} <= tolerance "
+                    f"head (by error / tolerance) {self.heads[i]} max abs error {self.max_abs[i]:.3g} <= tolerance "
                     f"{self.tolerance[i]:.3g}{self._suffix()}")
         bad = self.failing
         i = bad[0]
         return (f"MISMATCH: {self.variant}, {len(bad)} of {h} head(s) over tolerance "
-                f"({self.dtype} output); worst {self._head_line(i)}{self._suffix()}")
+                f"({self.dtype} output); worst (by error / tolerance) "
+                f"{self._head_line(i)}{self._suffix()}")
 
     def _suffix(self) -> str:
         prof = f"; profile {self.profile}" if self.profile else ""

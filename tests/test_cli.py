@@ -64,3 +64,17 @@ def test_report_usage_errors(argv, message, capsys):
 def test_report_json_onto_a_directory(tmp_path, capsys):
     assert main(["report", "--quiet", "--json", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_validate_hints_top_left_alignment(tmp_path, rng, capsys):
+    """SDPA's is_causal with n != s aligns top-left: the mismatch verdict says so."""
+    from arrayattn import softmax_attention
+    q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 9, 4)), \
+        rng.standard_normal((2, 9, 3))
+    out = softmax_attention(q, k, v, mask=np.arange(9)[None, :] <= np.arange(6)[:, None])
+    path = tmp_path / "sdpa.npz"
+    np.savez(path, q=q, k=k, v=v, out=out)
+    assert main(["validate", str(path), "--variant", "softmax", "--option", "causal=true"]) == 1
+    text = capsys.readouterr().out
+    assert "MISMATCH" in text and "top-left causal alignment" in text
+    assert "by error / tolerance" in text
