@@ -333,16 +333,8 @@ def _prep_sdpa(q, k, v, params):
         m = np.asarray(o["attn_mask"])
         if m.dtype == bool:
             opts["mask"] = m
-        else:
-            if _accepts("softmax", "bias"):
-                opts["bias"] = m
-            elif not np.all((m == 0) | (m == -np.inf)):
-                raise ValueError(
-                    "a float attn_mask with values other than 0 and -inf is an additive "
-                    "logit bias; softmax_attention has no bias option yet (NEEDED.md: "
-                    "'bias'), so only 0/-inf float masks can be validated")
-            else:
-                opts["mask"] = m == 0
+        else:   # a float attn_mask is an additive logit bias (-inf entries: masked)
+            opts["bias"] = m
     if o["scale"] is not None:
         opts["scale"] = float(o["scale"])
     return Prepared("softmax", q, k, v, opts)
@@ -371,7 +363,7 @@ def _prep_performer_pytorch(q, k, v, params):
                 notes.append(
                     f"performer-pytorch's softmax_kernel adds eps={o['eps']:g} to every "
                     "feature after its max shift (performer_pytorch.py:108-113); "
-                    "performer_attention has no such option yet (NEEDED.md 'feature_eps'): "
+                    "performer_attention has no such option yet (docs/port-options.md 'feature_eps'): "
                     "a mismatch is expected. With eps=0 in the port it matches.")
     if causal and o["causal_eps"]:
         if _accepts(variant, "key_sum_eps"):
@@ -383,7 +375,7 @@ def _prep_performer_pytorch(q, k, v, params):
             notes.append(
                 f"performer-pytorch's causal path adds eps={o['causal_eps']:g} to every "
                 "component of the key-feature prefix sums (performer_pytorch.py:188, "
-                "208-210); no such option yet (NEEDED.md 'key_sum_eps').")
+                "208-210); no such option yet (docs/port-options.md 'key_sum_eps').")
     return Prepared(variant, q, k, v, opts, notes=notes)
 
 
@@ -461,7 +453,7 @@ def _prep_fast_transformers(q, k, v, params):
         else:
             notes.append(f"fast-transformers adds eps={o['eps']:g} to the denominator "
                          "(linear_attention.py:75, causal_linear_attention.py:95); not "
-                         "reproduced (NEEDED.md 'denominator_eps'); its relative effect is "
+                         "reproduced (docs/port-options.md 'denominator_eps'); its relative effect is "
                          "eps / denominator")
     return Prepared("linear_elu", q, k, v, opts, notes=notes)
 
@@ -477,7 +469,7 @@ def _prep_fla(q, k, v, params):
     if not o["normalize"]:
         raise ValueError("fla with normalize=False is unnormalised causal linear attention "
                          "(o_i = sum_{j<=i} scale (q_i.k_j) v_j); linear_attention has no "
-                         "normalize option yet (NEEDED.md 'normalize')")
+                         "normalize option yet (docs/port-options.md 'normalize')")
     # fla's ops take the features: q, k are phi(q), phi(k) already (identity map); with
     # normalize=True the scale cancels between numerator and denominator.
     opts = {"feature_map": _identity, "causal": True}
@@ -529,7 +521,7 @@ PROFILES = {p.name: p for p in (
             "eps (softmax_kernel, default 1e-4), causal_eps (default 1e-6)",
             "softmax_kernel adds eps = 1e-4 to the features after the max shift and the key "
             "shift is one max over all keys; the causal path adds 1e-6 to the key prefix "
-            "sums: neither is reproduced yet (NEEDED.md 'feature_eps', 'key_sum_eps'). The "
+            "sums: neither is reproduced yet (docs/port-options.md 'feature_eps', 'key_sum_eps'). The "
             "generalized kernel "
             "relu(w.x) + kernel_epsilon is reproduced exactly (a callable kind).",
             _prep_performer_pytorch),

@@ -8,7 +8,7 @@ A port that is not installed skips with the reason (``pip install .[ports]``).
 
 Where a port deviates on purpose and arrayattn has no option for it yet, the test that
 runs the port *unpatched* is ``xfail(strict=True)`` with the option it needs (see
-NEEDED.md); the same port with its deviation switched off must MATCH.  No tolerance is
+docs/port-options.md); the same port with its deviation switched off must MATCH.  No tolerance is
 widened anywhere: every check uses the derived tolerance of ``compare_to_reference``.
 """
 from __future__ import annotations
@@ -159,7 +159,7 @@ def test_performer_softmax_kernel_without_eps(causal, quiet_performer):
 
 
 @pytest.mark.xfail(strict=True, reason="needs performer_attention(feature_eps=, "
-                   "key_sum_eps=), see NEEDED.md")
+                   "key_sum_eps=), see docs/port-options.md")
 @pytest.mark.parametrize("causal", [False, True])
 def test_performer_softmax_kernel_as_shipped(causal, quiet_performer):
     out, q, k, v, proj = run_performer(causal=causal)
@@ -181,7 +181,7 @@ def test_performer_generalized_relu_causal_without_eps(quiet_performer):
 
 
 @pytest.mark.xfail(strict=True, reason="needs performer_attention(key_sum_eps=), "
-                   "see NEEDED.md")
+                   "see docs/port-options.md")
 def test_performer_generalized_relu_causal_as_shipped(quiet_performer):
     out, q, k, v, proj = run_performer(generalized=True, causal=True)
     assert_matches_reference(out, None, q, k, v, profile="performer_pytorch",
@@ -343,7 +343,7 @@ def test_fla_naive_linear_attention(which):
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="needs linear_attention(normalize=False), see NEEDED.md 'normalize'")
+                   reason="needs linear_attention(normalize=False), see docs/port-options.md 'normalize'")
 def test_fla_naive_unnormalised():
     naive = _fla_naive()
     q, k, v = (x.transpose(1, 2).contiguous() for x in _qkv(31))
