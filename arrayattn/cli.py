@@ -154,7 +154,7 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
         except (ValueError, TypeError) as exc:  # shapes, dtypes, options the variant rejects
             raise UsageError(f"{path}: {exc}") from None
         except Exception as exc:  # anything else the reference raised on these inputs
-            raise UsageError(f"{path}: the reference {c_name(rec, profile)} raised "
+            raise UsageError(f"{path}: the reference {_c_name(rec, profile)} raised "
                              f"{type(exc).__name__}: {exc}") from None
     except UsageError as exc:
         print(f"arrayattn validate: error: {exc}", file=err)
@@ -207,7 +207,7 @@ def _top_left_hint(c, arrays, params, rtol, layout, profile):
             "the top-left mask in the .npz as mask=")
 
 
-def c_name(rec, profile) -> str:
+def _c_name(rec, profile) -> str:
     return rec.name if rec is not None else f"of profile {profile}"
 
 

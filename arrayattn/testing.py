@@ -14,7 +14,7 @@ from ._xp import to_numpy, xp_device, xp_namespace
 
 __all__ = ["xp_assert_close", "xp_assert_equal", "xp_assert_kind", "default_tolerance",
            "compare_to_reference", "assert_matches_reference", "Comparison", "Profile",
-           "PROFILES", "get_profile", "LAYOUTS"]
+           "PROFILES", "get_profile", "LAYOUTS", "Prepared"]
 
 
 def default_tolerance(dtype, *, xp=None, factor: float = 1.0) -> float:
