@@ -3,7 +3,6 @@ performer_*, rfa): padded keys and values holding NaN/inf, s = 0, concurrent cal
 string flags, seeds, bad options and non-array feature maps -- each a clear answer."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from arrayattn import (RandomFeatures, linear_attention, linear_attention_state,
                        performer_attention, rfa_attention, taylor_feature_map)
 from arrayattn.testing import xp_assert_equal
 
-from conftest import implementation, make_qkv, skip_jax_compile
+from conftest import make_qkv, skip_jax_compile
 
 FAMILY = [r.name for r in arrayattn.variants()
           if r.name.startswith(("linear_", "performer_", "rfa", "efficient"))]
@@ -126,42 +125,5 @@ class TestBadOptions:
             arrayattn.linear_attention_step(q[0], q[0], q[0],
                                             type(st)(st.S, st.z, 0, bad))
 
-
-# The same call from 4 threads at once is bit-identical to the serial call: every NumPy
-# call of the family runs under the engine's process lock (entry()), so no call sees the
-# BLAS thread count another call's parallel section set.
-CONCURRENT = {
-    "performer_trig": dict(causal=False),
-    "performer_relu": dict(causal=True),
-    "rfa": dict(causal=False),
-    "linear_elu": dict(causal=True),
-    "performer_positive": dict(causal=False),
-}
-
-
-@pytest.mark.parametrize("name", list(CONCURRENT))
-def test_concurrent_calls_equal_serial(name, rng):
-    rec = _record(name)
-    # above the engine's thresholds: it splits into blocks over threads
-    q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(4,), n=1024, d=32,
-                                                      norm=4.0))
-    with implementation("engine_split"):
-        serial_split = rec(q, k, v, **CONCURRENT[name])
-    serial = rec(q, k, v, **CONCURRENT[name])
-    results, errors = [None] * 4, []
-
-    def run(i):
-        try:
-            results[i] = rec(q, k, v, **CONCURRENT[name])
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for out in results:
-        assert np.array_equal(out, serial)
-    assert np.isfinite(serial).all() and serial_split.shape == serial.shape
+# The same call from 4 threads at once equals the serial call: every variant, causal or
+# not, in tests/test_numpy_parallel.py::test_concurrent_calls_bit_identical.

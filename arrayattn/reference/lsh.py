@@ -10,22 +10,9 @@ import math
 from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
 
-from .masks import zero_masked_keys
+from .masks import attend, zero_masked_keys
 
 __all__ = ["lsh_hash", "lsh_attention"]
-
-
-def _attend(xp, scores, v, allowed, *, return_lse=True):
-    """``softmax(scores) @ v`` over ``allowed`` keys (empty rows -> 0) and the log-sum-exp
-    of the allowed scores (``-inf`` for an empty row), max-shifted."""
-    scores = xp.where(allowed, scores, -xp.inf)
-    top = xp.max(scores, axis=-1, keepdims=True)
-    top = xp.where(top == -xp.inf, 0.0, top)
-    p = xp.exp(scores - top)
-    total = xp.sum(p, axis=-1, keepdims=True)
-    safe = xp.where(total > 0, total, 1.0)
-    lse = xp.where(total > 0, xp.log(safe) + top, -xp.inf)
-    return (p @ v) / safe, lse[..., 0]
 
 
 def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
@@ -161,7 +148,7 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
                 same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
                 count = same if count is None else count + same
             scores = scores - xp.log1p(xp.astype(count, work_dtype))
-        o, z = _attend(xp, scores, v_w[:, blk, ...], allowed)
+        o, z = attend(scores, v_w[:, blk, ...], allowed)
         outs.append(o)
         lses.append(z)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=1)
