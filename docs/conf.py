@@ -7,12 +7,18 @@ sys.path.insert(0, os.path.abspath(".."))
 project = "arrayattn"
 author = "arrayattn developers"
 extensions = ["sphinx.ext.autodoc", "sphinx.ext.mathjax", "numpydoc"]
+try:   # MathJax bundled into the build, so formulas render offline (the docs extra)
+    import importlib
+    importlib.import_module("sphinx-mathjax-offline")
+    extensions.append("sphinx-mathjax-offline")
+except ImportError:
+    pass
 numpydoc_show_class_members = False
 numpydoc_validation_checks = set()
 autodoc_typehints = "none"
 exclude_patterns = ["_build", "_generated"]
 html_theme = "alabaster"
-# No network: mathjax is referenced, never fetched at build time.
+# No network at build time; with sphinx-mathjax-offline MathJax is copied into _static.
 
 
 def _write_catalogue():

@@ -118,6 +118,12 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
     page = (tmp_path / "html" / "catalogue.html").read_text()
     for rec in arrayattn.variants():  # the generated catalogue lists every variant
         assert rec.name in page
+    if importlib.util.find_spec("sphinx-mathjax-offline") is not None:
+        # formulas render offline: MathJax is bundled, no page loads it from a server
+        math_page = (tmp_path / "html" / "variants" / "exact.html").read_text()
+        assert "_static/mathjax/tex-chtml.js" in math_page
+        assert not re.search(r"src=\"https?://[^\"]*mathjax", math_page, re.I)
+        assert (tmp_path / "html" / "_static" / "mathjax" / "tex-chtml.js").exists()
 
 
 def public_objects():
