@@ -7,16 +7,20 @@ band over pooled keys, each of which stands for the interval of positions it poo
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
 
-from ._engine import entry
+from . import reference
+from ._engine import engine_choice, entry
 from ._validate import (check_array, check_choice, check_flag, check_key_mask,
                         check_positive_int, check_qkv, check_same_array_kind, check_scale)
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
-from .sparse import BlockLayout, block_sparse_attention, host_indices, num_blocks, local_layout
+from ._xp import xp_from_host
+from .sparse import (DENSE_REFERENCE_MAX, BlockLayout, block_sparse_attention,
+                     host_indices, local_layout, num_blocks)
 
 __all__ = ["pooling_attention", "pooled_spans"]
 
@@ -188,42 +192,32 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     k, v, k2, v2 = (xp.astype(x, wd, copy=False) for x in (k, v, k2, v2))
     k, v, k2, v2 = zero_masked_keys(key_mask, k, v, k2, v2)
 
-    with entry(xp):
-        out = _two_levels(p, p2, q, k, v, q2, k2, v2, key_mask=key_mask, s1=s1, s2=s2,
-                          w1=w1, w2=w2, b=b, causal=causal, kappa=kappa, zeta=zeta,
-                          pool=pool)
-    return xp.astype(out, p.dtype, copy=False)
-
-
-def _two_levels(p, p2, q, k, v, q2, k2, v2, *, key_mask, s1, s2, w1, w2, b, causal, kappa,
-                zeta, pool):
-    """Poolingformer's two levels, added: the sliding window over the tokens, and a
-    wider window over pooled keys/values."""
-    xp, wd, dev = p.xp, p.work_dtype, p.device
-    # Level 1: the sliding window.
-    lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
-    wq = xp.astype(q, wd, copy=False) * s1
-    y = block_sparse_attention(p, wq, xp.astype(k, wd, copy=False), xp.astype(v, wd, copy=False),
-                      lay1, causal=causal, key_mask=key_mask)
-
-    # Level 2: pooled keys/values, each standing for its interval of positions.
+    wq, wq2 = xp.astype(q, wd, copy=False), xp.astype(q2, wd, copy=False)
     start, end = pooled_spans(p.s, kappa, zeta)
-    kbar, valid = _pool(xp, xp.astype(k2, wd, copy=False), start, end, pool, key_mask,
-                        device=dev)
-    vbar, _ = _pool(xp, xp.astype(v2, wd, copy=False), start, end, pool, key_mask,
-                    device=dev)
-    m = start.size
-    left, right = w2
-    lay2 = BlockLayout(n=p.n, s=m, block_size=b,
-                       blocks=np.zeros((num_blocks(p.n, b), num_blocks(m, b)), dtype=bool),
-                       window=(left, 0 if causal else right), causal=bool(causal),
-                       key_start=start, key_end=end, query_offset=p.s - p.n,
-                       pattern="pooled")
-    pm = type(p2)(xp=xp, n=p.n, s=m, d=p2.d, dv=p.dv, batch=p.batch, dtype=p.dtype,
-                  work_dtype=wd, device=dev)
-    z = block_sparse_attention(pm, xp.astype(q2, wd, copy=False) * s2, kbar, vbar, lay2,
-                               causal=causal, key_mask=valid)
-    return y + z
+    lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
+    lay2 = BlockLayout(n=p.n, s=start.size, block_size=b,
+                       blocks=np.zeros((num_blocks(p.n, b), num_blocks(start.size, b)), bool),
+                       window=(w2[0], 0 if causal else w2[1]), causal=causal,
+                       key_start=start, key_end=end, query_offset=p.s - p.n, pattern="pooled")
+    with entry(xp):
+        if engine_choice() == "reference" and math.prod(p.batch) * p.n * p.s <= DENSE_REFERENCE_MAX:
+            pos = np.arange(p.s)
+            inside = (start[:, None] <= pos) & (pos <= end[:, None])
+            out = reference.pooling_attention(
+                wq, k, v, wq2, k2, v2, lay1.dense_mask(xp, device=dev),
+                xp_from_host(xp, inside, dtype=xp.bool, device=dev),
+                lay2.dense_mask(xp, device=dev), scale=s1, scale2=s2, key_mask=key_mask,
+                pool=pool)
+        else:
+            y = block_sparse_attention(p, wq * s1, k, v, lay1, causal=causal,
+                                       key_mask=key_mask)
+            kbar, valid = _pool(xp, k2, start, end, pool, key_mask, device=dev)
+            vbar, _ = _pool(xp, v2, start, end, pool, key_mask, device=dev)
+            pm = type(p2)(xp=xp, n=p.n, s=start.size, d=p2.d, dv=p.dv, batch=p.batch,
+                          dtype=p.dtype, work_dtype=wd, device=dev)
+            out = y + block_sparse_attention(pm, wq2 * s2, kbar, vbar, lay2, causal=causal,
+                                             key_mask=valid)
+    return xp.astype(out, p.dtype, copy=False)
 
 
 register(Variant(

@@ -35,23 +35,26 @@ from functools import cached_property
 
 import numpy as np
 
-from ._engine import entry
-from ._validate import (check_flag, check_key_mask, check_positive_int, check_qkv,
+from . import reference
+from ._engine import engine_choice, entry
+from ._validate import (check_bias, check_flag, check_key_mask, check_positive_int, check_qkv,
                         check_scale, check_seed)
-from .reference.masks import zero_masked_keys
 from ._xp import xp_from_host
-from .reference.masks import attend
+from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 
 __all__ = [
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
-    "block_sparse_attention", "host_indices", "num_blocks",
+    "block_sparse_attention", "host_indices", "num_blocks", "DENSE_REFERENCE_MAX",
 ]
 
 # Elements of the score tile plus gathered keys/values processed at once (per chunk of
 # query blocks); bounds the working memory at a few hundred MB in float32.
 _CHUNK_ELEMENTS = 1 << 23
+#: Under ``use_engine("reference")``, problems of at most this many scores (batch x n x s)
+#: run the dense definition of the pattern instead of the gather plan.
+DENSE_REFERENCE_MAX = 1 << 23
 # The cost of one more group of query blocks, in score elements: a group is a dozen
 # array operations, worth about this much padded work.
 _GROUP_OVERHEAD = 1 << 17
@@ -550,15 +553,6 @@ def bigbird_layout(n: int, *, block_size: int = 64, num_window_blocks: int = 3,
 # Block-sparse attention
 # ---------------------------------------------------------------------------------
 
-def _pad_tokens(xp, x, total: int, *, dtype, device):
-    """``x (..., t, c)`` padded with zero rows to ``total`` tokens."""
-    t = x.shape[-2]
-    if t == total:
-        return x
-    pad = xp.zeros((*x.shape[:-2], total - t, x.shape[-1]), dtype=dtype, device=device)
-    return xp.concat([x, pad], axis=-2)
-
-
 def host_indices(xp, a, device):
     """Host integers (block indices, positions) to ``xp`` int32 on ``device`` (every
     library has int32; JAX without x64 has no int64, and these indices are small)."""
@@ -616,68 +610,50 @@ def _tile_mask(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, devic
     return allowed
 
 
-def _attend_slots(xp, p, layout, qc, kb, vb, km, rows, idx, valid, *, causal):
-    """Attention of query blocks ``rows`` (gathered in ``qc``) over key blocks ``idx``
-    ``(G, R)``: the output ``(..., G, b, dv)`` and log-sum-exp ``(..., G, b)``."""
-    b, dev = layout.block_size, p.device
-    g, r = idx.shape
-    idx_x = host_indices(xp, idx.reshape(-1), dev)
-    kc = xp.take(kb, idx_x, axis=kb.ndim - 3)
-    vc = xp.take(vb, idx_x, axis=vb.ndim - 3)
-    kc = xp.reshape(kc, (*kc.shape[:-3], g, r * b, p.d))
-    vc = xp.reshape(vc, (*vc.shape[:-3], g, r * b, p.dv))
-    allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
-    if km is not None:
-        kmc = xp.take(km, idx_x, axis=km.ndim - 2)
-        allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-2], g, 1, r * b))
-    scores = qc @ xp.matrix_transpose(kc)                              # (..., G, b, Rb)
-    return attend(scores, vc, allowed)
+def _tile_bias(xp, bias, rows, kpos, layout: BlockLayout, device):
+    """The bias on the gathered tiles ``(..., G, b, R*b)``: its query rows, then each
+    group's key positions (padding slots read a clamped, masked-off entry)."""
+    b, n, s = layout.block_size, layout.n, layout.s
+    qrows = np.minimum(rows[:, None] * b + np.arange(b), n - 1).reshape(-1)
+    rb = xp.take(bias, host_indices(xp, qrows, device), axis=bias.ndim - 2)
+    rb = xp.reshape(rb, (*rb.shape[:-2], rows.size, b, s))
+    info = xp.__array_namespace_info__()
+    index = info.default_dtypes(device=device)["indexing"]   # torch: int64 only
+    cols = xp_from_host(xp, np.minimum(kpos, s - 1)[:, None, :], dtype=index, device=device)
+    return xp.take_along_axis(rb, xp.broadcast_to(cols, (*rb.shape[:-1], kpos.shape[1])),
+                              axis=-1)
 
 
-def _merge(xp, out_a, lse_a, out_b, lse_b):
-    """Merge two softmax attentions over disjoint key sets by their log-sum-exps.
-
-    ``out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b})`` computed
-    relative to the larger of the two; empty parts (``lse = -inf``) get weight 0 exactly,
-    so a part with no allowed key never changes the other bit for bit.
-    """
-    m = xp.maximum(lse_a, lse_b)
-    m = xp.where(m == -xp.inf, 0.0, m)
-    wa, wb = xp.exp(lse_a - m), xp.exp(lse_b - m)
-    total = wa + wb
-    safe = xp.where(total > 0, total, 1.0)
-    out = (out_a * xp.expand_dims(wa / safe, axis=-1)
-           + out_b * xp.expand_dims(wb / safe, axis=-1))
-    lse = xp.where(total > 0, xp.log(safe) + m, -xp.inf)
-    return out, lse
+def _blocks(xp, x, nb: int, b: int, *, device):
+    """``x (..., t, c)`` padded with zero rows to ``nb * b`` tokens, as ``(..., nb, b, c)``."""
+    pad = nb * b - x.shape[-2]
+    if pad:
+        x = xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype,
+                                   device=device)], axis=-2)
+    return xp.reshape(x, (*x.shape[:-2], nb, b, x.shape[-1]))
 
 
-def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask):
-    """The gather-and-attend core. ``q`` is already scaled; all in the working dtype."""
-    xp, dev, wd = p.xp, p.device, p.work_dtype
-    b, n, s = layout.block_size, p.n, p.s
+def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask,
+                           bias=None):
+    """The gather plan of ``layout`` run group by group on
+    :func:`arrayattn.reference.sparse.gathered_attention`. ``q`` is already scaled; all in
+    the working dtype. Rows too long for the memory budget (global rows reach every
+    block) are split over their key blocks too, and the partial softmaxes merged by
+    log-sum-exp (:func:`arrayattn.reference.sparse.merge_attention`)."""
+    xp, dev = p.xp, p.device
+    b, n = layout.block_size, p.n
     nqb, nkb = layout.blocks.shape
     causal = causal or layout.causal
-    qb = _pad_tokens(xp, q, nqb * b, dtype=wd, device=dev)
-    kb = _pad_tokens(xp, k, nkb * b, dtype=wd, device=dev)
-    vb = _pad_tokens(xp, v, nkb * b, dtype=wd, device=dev)
-    qb = xp.reshape(qb, (*qb.shape[:-2], nqb, b, p.d))
-    kb = xp.reshape(kb, (*kb.shape[:-2], nkb, b, p.d))
-    vb = xp.reshape(vb, (*vb.shape[:-2], nkb, b, p.dv))
-    if key_mask is not None:
-        km = key_mask
-        if nkb * b != s:
-            pad = xp.zeros((*km.shape[:-1], nkb * b - s), dtype=xp.bool, device=dev)
-            km = xp.concat([km, pad], axis=-1)
-        km = xp.reshape(km, (*km.shape[:-1], nkb, b))
+    qb = _blocks(xp, q, nqb, b, device=dev)
+    kb = _blocks(xp, k, nkb, b, device=dev)
+    vb = _blocks(xp, v, nkb, b, device=dev)
+    km = None if key_mask is None else _blocks(xp, key_mask[..., None], nkb, b, device=dev)
     batch = math.prod(p.batch)
     per_slot = batch * (b * b + b * (p.d + p.dv))    # one key block of one query block
     outs, order = [], []
     for rows_all, idx_all, valid_all in layout.plan:
         r = idx_all.shape[1]
         step = max(1, _CHUNK_ELEMENTS // (r * per_slot + batch * b * (p.d + p.dv)))
-        # Rows too long for the budget (global rows reach every block) are split over
-        # their key blocks too, and the partial softmaxes merged by log-sum-exp.
         span = min(r, max(1, _CHUNK_ELEMENTS // per_slot))
         for c0 in range(0, rows_all.size, step):
             rows = rows_all[c0:c0 + step]
@@ -686,9 +662,17 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
             for r0 in range(0, r, span):
                 idx = idx_all[c0:c0 + step, r0:r0 + span]
                 valid = valid_all[c0:c0 + step, r0:r0 + span]
-                o, l = _attend_slots(xp, p, layout, qc, kb, vb, km if key_mask is not None
-                                     else None, rows, idx, valid, causal=causal)
-                acc, lse = (o, l) if acc is None else _merge(xp, acc, lse, o, l)
+                idx_x = host_indices(xp, idx, dev)
+                allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
+                if km is not None:
+                    kmc = xp.take(km, xp.reshape(idx_x, (-1,)), axis=km.ndim - 3)
+                    allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
+                                                         idx.shape[1] * b))
+                kpos = (idx[:, :, None] * b + np.arange(b)).reshape(idx.shape[0], -1)
+                tile_bias = None if bias is None else _tile_bias(xp, bias, rows, kpos,
+                                                                 layout, dev)
+                o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tile_bias)
+                acc, lse = (o, l) if acc is None else reference.merge_attention(acc, lse, o, l)
             outs.append(acc)                                           # (..., G, b, dv)
             order.append(rows)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)
@@ -702,10 +686,10 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
 
 
 def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=False,
-                     key_mask=None):
+                     key_mask=None, bias=None):
     r"""Exact softmax attention restricted to a sparse pattern, computed block-sparse.
 
-    .. math:: O = \operatorname{softmax}\!\left(Q K^\top \cdot \mathrm{scale} + M\right) V,
+    .. math:: O = \operatorname{softmax}\!\left(Q K^\top \cdot \mathrm{scale} + B + M\right) V,
               \qquad M_{ij} = 0 \text{ if } (i, j) \in \text{pattern}, -\infty \text{ else}
 
     equal (to rounding) to ``softmax_attention(q, k, v, mask=layout.dense_mask())``,
@@ -729,11 +713,24 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
         causal whatever this flag says.
     key_mask : boolean array, shape ``(..., s)``, optional
         ``True`` marks a real key.
+    bias : real floating array, shape ``(..., n, s)``, optional
+        Added to the scaled logits (ALiBi, relative-position biases, an SDPA float
+        mask); ``-inf`` entries act as masked; broadcast like ``mask``. Only the
+        entries on the pattern's gathered tiles are read.
 
     Returns
     -------
     array, shape ``(..., n, dv)``
         Same namespace, device and dtype as ``q``; a query with no allowed key gives 0.
+
+    Notes
+    -----
+    The computation is :func:`arrayattn.reference.sparse.gathered_attention` run over
+    the layout's gather plan (host data). Under ``use_engine("reference")`` a problem
+    of at most ``DENSE_REFERENCE_MAX`` scores runs the dense definition
+    :func:`arrayattn.reference.sparse.sparse_attention` on ``layout.dense_mask()``
+    instead: what :mod:`arrayattn.testing` validates against, and what the gathered
+    form is tested equal to.
 
     Examples
     --------
@@ -759,18 +756,26 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
     causal = check_flag("causal", causal)
     check_key_mask(p, key_mask, q)
     scale = check_scale(scale, p.d)
+    bias = check_bias(p, bias, q)
     xp = p.xp
-    wq = xp.astype(q, p.work_dtype, copy=False) * scale
+    wq = xp.astype(q, p.work_dtype, copy=False)
     # Padded keys may hold anything (NaN, inf): their rows are replaced, not weighted by 0.
     wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
                               xp.astype(v, p.work_dtype, copy=False))
     with entry(xp):
-        out = block_sparse_attention(p, wq, wk, wv, layout, causal=causal, key_mask=key_mask)
+        if engine_choice() == "reference" and math.prod(p.batch) * p.n * p.s <= DENSE_REFERENCE_MAX:
+            allowed = reference.allowed_mask(
+                xp, p.n, p.s, device=p.device, causal=causal, key_mask=key_mask,
+                mask=layout.dense_mask(xp, device=p.device))
+            out = reference.sparse_attention(wq, wk, wv, allowed, scale=scale, bias=bias)
+        else:
+            out = block_sparse_attention(p, wq * scale, wk, wv, layout, causal=causal,
+                                         key_mask=key_mask, bias=bias)
     return xp.astype(out, p.dtype, copy=False)
 
 
 def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=None,
-                    key_mask=None):
+                    key_mask=None, bias=None):
     r"""Sliding-window attention: query ``i`` attends to keys ``i - left ... i + right``.
 
     Exact softmax attention on the band of :func:`local_layout` (``window`` = ``w`` for
@@ -790,6 +795,8 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
     scale : float, optional
         ``None`` means ``1/sqrt(d)``.
     key_mask : boolean array ``(..., s)``, optional
+    bias : real floating array ``(..., n, s)``, optional
+        Added to the scaled logits, as in :func:`sparse_attention`.
 
     Returns
     -------
@@ -813,7 +820,7 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
         return p.zeros()
     layout = local_layout(p.n, s=p.s, window=window, block_size=block_size, causal=causal)
     return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,
-                            key_mask=key_mask)
+                            key_mask=key_mask, bias=bias)
 
 
 # ---------------------------------------------------------------------------------
@@ -821,13 +828,13 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
 # ---------------------------------------------------------------------------------
 
 def _pattern_call(builder, **fixed):
-    def call(q, k, v, /, *, scale=None, causal=False, key_mask=None, **options):
+    def call(q, k, v, /, *, scale=None, causal=False, key_mask=None, bias=None, **options):
         check_qkv(q, k, v)
         causal = check_flag("causal", causal)
         opts = {**fixed, **options}
         layout = builder(q.shape[-2], s=k.shape[-2], **opts)
         return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,
-                                key_mask=key_mask)
+                                key_mask=key_mask, bias=bias)
     call.__name__ = f"{builder.__name__}_attention"
     return call
 

@@ -1,6 +1,6 @@
 """The additive logit bias of exact attention (ALiBi, T5/relative-position biases, a
 float mask as SDPA's float ``attn_mask``) against a float64 loop oracle, on every
-backend, dense and blockwise."""
+backend: exact dense and blockwise, and the sparse patterns."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from arrayattn import softmax_attention
+from arrayattn import (bigbird_layout, local_attention, local_layout, longformer_layout,
+                       softmax_attention, sparse_attention, strided_layout)
 from arrayattn.testing import xp_assert_close
 
 from conftest import make_qkv
@@ -77,3 +78,44 @@ def test_bias_errors():
         softmax_attention(q, k, v, bias=np.zeros((4, 4), bool))
     with pytest.raises(TypeError, match="bias must be an array"):
         softmax_attention(q, k, v, bias=[[0.0]])
+
+
+SPARSE_LAYOUTS = {
+    "local": lambda causal: local_layout(20, s=28, window=3, block_size=4, causal=causal),
+    "longformer": lambda causal: longformer_layout(28, window=2, global_tokens=[0, 17],
+                                                   block_size=4, causal=causal),
+    "bigbird": lambda causal: bigbird_layout(28, block_size=4, num_random_blocks=1, seed=3,
+                                             causal=causal),
+    "strided": lambda causal: strided_layout(28, stride=2, block_size=4, causal=causal),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pattern", sorted(SPARSE_LAYOUTS))
+def test_sparse_bias_matches_loop_oracle(backend, rng, pattern, causal):
+    """The bias on a sparse pattern: the oracle sees the pattern as ``-inf`` bias
+    entries; a bias ``-inf`` inside the pattern masks too."""
+    layout = SPARSE_LAYOUTS[pattern](causal)
+    n, s = layout.n, layout.s
+    q, k, v = make_qkv(rng, batch=(2, 3), n=n, s=s, d=8, dv=5, norm=6.0, sharp=True)
+    bias = np.broadcast_to(alibi(3, n, s), (2, 3, n, s)).copy()
+    bias[1, 2, :, 1::4] = -np.inf
+    bias[0, 0, 3, :] = -np.inf
+    pattern_bias = np.where(layout.dense_mask(), bias, -np.inf)
+    want = loop_oracle(q, k, v, pattern_bias, scale=0.3)
+    on = backend.asarray
+    out = sparse_attention(on(q), on(k), on(v), layout=layout, bias=on(bias), scale=0.3)
+    xp_assert_close(out, on(want), rtol=0, atol=64 * F64 * np.abs(v).max())
+    assert np.all(backend.to_numpy(out)[0, 0, 3] == 0.0)
+
+
+def test_local_attention_bias_broadcasts(rng):
+    """``local_attention`` passes ``bias (heads, n, s)`` through; ``-inf`` masks."""
+    q, k, v = make_qkv(rng, batch=(2, 3), n=24, d=8, dv=4, norm=6.0)
+    bias = alibi(3, 24, 24)
+    bias[2, :, 5] = -np.inf
+    out = local_attention(q, k, v, window=4, causal=True, bias=bias, block_size=8)
+    band = local_layout(24, window=4, causal=True).dense_mask()
+    want = loop_oracle(q, k, v, np.where(band, np.broadcast_to(bias, (2, 3, 24, 24)), -np.inf),
+                       scale=1 / np.sqrt(8))
+    np.testing.assert_allclose(out, want, rtol=0, atol=64 * F64 * np.abs(v).max())
