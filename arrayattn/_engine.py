@@ -18,11 +18,18 @@ import os
 
 import array_api_compat
 
-__all__ = ["use_engine", "engine_choice", "numpy_engine", "entry", "ENGINE_MIN_BYTES"]
+__all__ = ["use_engine", "engine_choice", "numpy_engine", "dense_reference", "entry",
+           "ENGINE_MIN_BYTES", "DENSE_REFERENCE_MAX"]
 
 #: Below this many bytes of the largest temporary the NumPy engine does not pay (a thread
 #: hand-off costs tens of microseconds): the reference form runs.
 ENGINE_MIN_BYTES = 1 << 20
+
+#: Variants whose every call runs a gathered (block) form -- sparse patterns,
+#: Poolingformer, LSH -- run their dense definition instead under
+#: ``use_engine("reference")`` when it has at most this many scores: the definition is
+#: what validation compares against, and what the gathered form is tested equal to.
+DENSE_REFERENCE_MAX = 1 << 23
 
 _CHOICES = ("auto", "reference", "numpy")
 _choice: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -84,6 +91,13 @@ def numpy_engine(xp, work_bytes: int) -> bool:
     if choice == "reference":
         return False
     return choice == "numpy" or work_bytes >= ENGINE_MIN_BYTES
+
+
+def dense_reference(scores: int) -> bool:
+    """Whether a variant with a gathered form runs its dense definition instead: the
+    reference is forced and the dense form has at most :data:`DENSE_REFERENCE_MAX`
+    ``scores`` (query-key pairs over the batch)."""
+    return engine_choice() == "reference" and scores <= DENSE_REFERENCE_MAX
 
 
 @contextlib.contextmanager

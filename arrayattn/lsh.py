@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from . import reference
-from ._engine import entry
+from ._engine import dense_reference, entry
 from ._validate import (Problem, check_flag, check_key_mask, check_positive_int, check_qkv,
                         check_same_array_kind, check_scale, check_seed)
 from ._xp import xp_from_host
@@ -272,11 +272,13 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
     if p.n == 0:
         return p.zeros()
     xp = p.xp
+    batch = math.prod(p.batch) * H
+    form = (reference.lsh_attention if dense_reference(batch * p.n * p.n)
+            else reference.lsh_attention_chunked)
     with entry(xp):
-        out = reference.lsh_attention(
-            xp.astype(qk, p.work_dtype, copy=False), xp.astype(v, p.work_dtype, copy=False),
-            rot, num_buckets=nb, chunk_size=C, scale=scale, causal=causal,
-            key_mask=key_mask, dedup=dedup)
+        out = form(xp.astype(qk, p.work_dtype, copy=False),
+                   xp.astype(v, p.work_dtype, copy=False), rot, num_buckets=nb,
+                   chunk_size=C, scale=scale, causal=causal, key_mask=key_mask, dedup=dedup)
     return xp.astype(out, p.dtype, copy=False)
 
 

@@ -13,13 +13,13 @@ import numbers
 import numpy as np
 
 from . import reference
-from ._engine import engine_choice, entry
+from ._engine import dense_reference, entry
 from ._validate import (check_array, check_choice, check_flag, check_key_mask,
                         check_positive_int, check_qkv, check_same_array_kind, check_scale)
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 from ._xp import xp_from_host
-from .sparse import (DENSE_REFERENCE_MAX, BlockLayout, block_sparse_attention,
+from .sparse import (BlockLayout, block_sparse_attention,
                      host_indices, local_layout, num_blocks)
 
 __all__ = ["pooling_attention", "pooled_spans"]
@@ -200,7 +200,7 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
                        window=(w2[0], 0 if causal else w2[1]), causal=causal,
                        key_start=start, key_end=end, query_offset=p.s - p.n, pattern="pooled")
     with entry(xp):
-        if engine_choice() == "reference" and math.prod(p.batch) * p.n * p.s <= DENSE_REFERENCE_MAX:
+        if dense_reference(math.prod(p.batch) * p.n * p.s):
             pos = np.arange(p.s)
             inside = (start[:, None] <= pos) & (pos <= end[:, None])
             out = reference.pooling_attention(

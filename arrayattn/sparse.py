@@ -36,9 +36,10 @@ from functools import cached_property
 import numpy as np
 
 from . import reference
-from ._engine import engine_choice, entry
+from ._engine import dense_reference, entry, numpy_engine
 from ._validate import (check_bias, check_flag, check_key_mask, check_positive_int, check_qkv,
                         check_scale, check_seed)
+from ._numpy.parallel import parallel_map
 from ._xp import xp_from_host
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
@@ -46,15 +47,12 @@ from .registry import Variant, register
 __all__ = [
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
-    "block_sparse_attention", "host_indices", "num_blocks", "DENSE_REFERENCE_MAX",
+    "block_sparse_attention", "host_indices", "num_blocks",
 ]
 
 # Elements of the score tile plus gathered keys/values processed at once (per chunk of
 # query blocks); bounds the working memory at a few hundred MB in float32.
 _CHUNK_ELEMENTS = 1 << 23
-#: Under ``use_engine("reference")``, problems of at most this many scores (batch x n x s)
-#: run the dense definition of the pattern instead of the gather plan.
-DENSE_REFERENCE_MAX = 1 << 23
 # The cost of one more group of query blocks, in score elements: a group is a dozen
 # array operations, worth about this much padded work.
 _GROUP_OVERHEAD = 1 << 17
@@ -650,31 +648,40 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
     km = None if key_mask is None else _blocks(xp, key_mask[..., None], nkb, b, device=dev)
     batch = math.prod(p.batch)
     per_slot = batch * (b * b + b * (p.d + p.dv))    # one key block of one query block
-    outs, order = [], []
+    chunks = []
     for rows_all, idx_all, valid_all in layout.plan:
         r = idx_all.shape[1]
         step = max(1, _CHUNK_ELEMENTS // (r * per_slot + batch * b * (p.d + p.dv)))
         span = min(r, max(1, _CHUNK_ELEMENTS // per_slot))
-        for c0 in range(0, rows_all.size, step):
-            rows = rows_all[c0:c0 + step]
-            qc = xp.take(qb, host_indices(xp, rows, dev), axis=qb.ndim - 3)
-            acc = lse = None
-            for r0 in range(0, r, span):
-                idx = idx_all[c0:c0 + step, r0:r0 + span]
-                valid = valid_all[c0:c0 + step, r0:r0 + span]
-                idx_x = host_indices(xp, idx, dev)
-                allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
-                if km is not None:
-                    kmc = xp.take(km, xp.reshape(idx_x, (-1,)), axis=km.ndim - 3)
-                    allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
-                                                         idx.shape[1] * b))
-                kpos = (idx[:, :, None] * b + np.arange(b)).reshape(idx.shape[0], -1)
-                tile_bias = None if bias is None else _tile_bias(xp, bias, rows, kpos,
-                                                                 layout, dev)
-                o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tile_bias)
-                acc, lse = (o, l) if acc is None else reference.merge_attention(acc, lse, o, l)
-            outs.append(acc)                                           # (..., G, b, dv)
-            order.append(rows)
+        chunks += [(rows_all[c0:c0 + step], idx_all[c0:c0 + step], valid_all[c0:c0 + step],
+                    span) for c0 in range(0, rows_all.size, step)]
+
+    def attend_chunk(chunk):
+        rows, idx_rows, valid_rows, span = chunk
+        qc = xp.take(qb, host_indices(xp, rows, dev), axis=qb.ndim - 3)
+        acc = lse = None
+        for r0 in range(0, idx_rows.shape[1], span):
+            idx, valid = idx_rows[:, r0:r0 + span], valid_rows[:, r0:r0 + span]
+            idx_x = host_indices(xp, idx, dev)
+            allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
+            if km is not None:
+                kmc = xp.take(km, xp.reshape(idx_x, (-1,)), axis=km.ndim - 3)
+                allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
+                                                     idx.shape[1] * b))
+            kpos = (idx[:, :, None] * b + np.arange(b)).reshape(idx.shape[0], -1)
+            tile_bias = None if bias is None else _tile_bias(xp, bias, rows, kpos, layout, dev)
+            o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tile_bias)
+            acc, lse = (o, l) if acc is None else reference.merge_attention(acc, lse, o, l)
+        return acc                                                     # (..., G, b, dv)
+
+    # The NumPy engine runs the chunks in threads (each reads the shared blocks, writes
+    # its own output); every other backend runs them in order.
+    work = layout.count_computed() * batch * (xp.finfo(q.dtype).bits // 8)
+    if numpy_engine(xp, work) and len(chunks) > 1:
+        outs = parallel_map(attend_chunk, chunks)
+    else:
+        outs = [attend_chunk(c) for c in chunks]
+    order = [c[0] for c in chunks]
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)
     perm = np.concatenate(order)
     if not np.array_equal(perm, np.arange(nqb)):
@@ -727,7 +734,7 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
     -----
     The computation is :func:`arrayattn.reference.sparse.gathered_attention` run over
     the layout's gather plan (host data). Under ``use_engine("reference")`` a problem
-    of at most ``DENSE_REFERENCE_MAX`` scores runs the dense definition
+    of at most ``arrayattn._engine.DENSE_REFERENCE_MAX`` scores runs the dense definition
     :func:`arrayattn.reference.sparse.sparse_attention` on ``layout.dense_mask()``
     instead: what :mod:`arrayattn.testing` validates against, and what the gathered
     form is tested equal to.
@@ -763,7 +770,7 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
     wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
                               xp.astype(v, p.work_dtype, copy=False))
     with entry(xp):
-        if engine_choice() == "reference" and math.prod(p.batch) * p.n * p.s <= DENSE_REFERENCE_MAX:
+        if dense_reference(math.prod(p.batch) * p.n * p.s):
             allowed = reference.allowed_mask(
                 xp, p.n, p.s, device=p.device, causal=causal, key_mask=key_mask,
                 mask=layout.dense_mask(xp, device=p.device))
@@ -869,7 +876,7 @@ register(Variant(
 register(Variant(
     name="strided", fn=sparse_attention, call=_pattern_call(strided_layout, causal=False),
     **_SPARSE, cross=False,
-    defaults={"stride": 3, "block_size": 8}, parameter="stride",
+    defaults={"stride": 8, "block_size": 32}, parameter="stride",
     complexity="O(n (l + n/l) b d) time and memory",
     citation="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
     notes="Block-level strided pattern (strided_layout); symmetric unless causal=True.",
@@ -877,7 +884,7 @@ register(Variant(
 register(Variant(
     name="fixed", fn=sparse_attention, call=_pattern_call(fixed_layout, causal=False),
     **_SPARSE, cross=False,
-    defaults={"stride": 4, "summary": 1, "block_size": 8}, parameter="stride",
+    defaults={"stride": 8, "summary": 1, "block_size": 32}, parameter="stride",
     complexity="O(n (l + c n/l) b d) time and memory",
     citation="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
     notes="Block-level fixed pattern (fixed_layout); symmetric unless causal=True.",

@@ -10,9 +10,9 @@ import math
 from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
 
-from .masks import attend, zero_masked_keys
+from .masks import attend, masked_softmax, zero_masked_keys
 
-__all__ = ["lsh_hash", "lsh_attention"]
+__all__ = ["lsh_hash", "lsh_attention", "lsh_attention_chunked"]
 
 
 def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
@@ -165,7 +165,37 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
 
 def lsh_attention(qk, v, rotations, *, num_buckets: int, chunk_size: int, scale: float,
                   causal: bool = False, key_mask=None, dedup: bool = True):
-    r"""Reformer LSH attention: per hash round, a stable sort by bucket, chunks of
+    r"""The definition, dense (``O(H n^2)`` memory): for each round ``r``, token ``i`` at
+    sorted rank ``t_i`` attends to the keys ``j != i`` of its bucket whose rank is in its
+    chunk or the previous one (causal: ``0 < t_i - t_j <= C``), with logits
+    ``scale qk_i . k_j - log N_ij``; the rounds merged by their log-sum-exp; a token with
+    no key in any round returns its own value (padding: zeros)."""
+    xp = array_namespace(qk, v)
+    qk, v = zero_masked_keys(key_mask, qk, v)
+    h = lsh_hash(qk, rotations, num_buckets)                            # (..., H, n)
+    if key_mask is not None:                 # padding: a last bucket that nobody attends
+        h = xp.where(key_mask[..., None, :], h, num_buckets)
+    rank = xp.argsort(xp.argsort(h, axis=-1, stable=True), axis=-1, stable=True)
+    same = h[..., :, None] == h[..., None, :]                            # (..., H, n, n)
+    gap = rank[..., :, None] - rank[..., None, :]
+    chunks = rank[..., :, None] // chunk_size - rank[..., None, :] // chunk_size
+    near = ((gap > 0) & (gap <= chunk_size)) if causal else (
+        (gap != 0) & (chunks >= 0) & (chunks <= 1))
+    allowed = same & near & (h < num_buckets)[..., None, :]
+    norm = xp.sqrt(xp.sum(qk * qk, axis=-1, keepdims=True))
+    scores = (qk * scale) @ xp.matrix_transpose(qk / xp.where(norm > 0, norm, 1.0))
+    if dedup:   # a pair met in N_ij rounds counts once (N_ij >= 1 where allowed)
+        scores = scores - xp.log(xp.maximum(xp.sum(xp.astype(same, qk.dtype), axis=-3), 1.0))
+    out, lse = attend(scores[..., None, :, :], v[..., None, :, :], allowed)  # per round
+    weight = masked_softmax(lse, axis=-2)[..., None]                    # (..., H, n, 1)
+    has_key = xp.any(allowed, axis=(-3, -1))[..., None]
+    return xp.where(has_key, xp.sum(weight * out, axis=-3), v)
+
+
+def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int,
+                          scale: float, causal: bool = False, key_mask=None,
+                          dedup: bool = True):
+    r"""Reformer LSH attention as it runs: per hash round, a stable sort by bucket, chunks of
     ``chunk_size``, each query attending to the same-bucket keys (``k = qk / ||qk||``,
     not itself) of its chunk and the previous one (causal: the ``chunk_size`` sorted slots
     before it), ``- log N_ij`` for pairs met in several rounds (``dedup``); the rounds
