@@ -17,6 +17,8 @@ from .kernel import (LinearAttentionState, efficient_attention, feature_attentio
 from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
 from .performer import performer_attention
 from .rfa import rfa_attention, rfa_features
+from .gated import (delta_attention, gated_attention_step, gated_delta_attention,
+                    gla_attention, retention, retention_gammas, ssd_attention)
 from .linalg import pinv
 from .nystrom import landmark_attention, nystrom_attention, segment_means
 from .linformer import linformer_attention, linformer_projection
@@ -38,6 +40,8 @@ __all__ = [
     "efficient_attention",
     "RandomFeatures", "estimate_kernel", "gerf_parameter", "kernel_variance",
     "performer_attention", "rfa_attention", "rfa_features",
+    "retention", "retention_gammas", "gla_attention", "ssd_attention", "delta_attention",
+    "gated_delta_attention", "gated_attention_step",
     "pinv", "segment_means", "nystrom_attention", "landmark_attention",
     "linformer_attention", "linformer_projection",
     "luna_attention",

@@ -14,8 +14,9 @@ from ._xp import xp_namespace
 
 __all__ = ["grouped_query_heads", "group_heads"]
 
-#: Array options with batch dimensions, and how many trailing axes are not batch axes.
-_BATCHED_OPTIONS = {"key_mask": 1, "query_mask": 1, "mask": 2, "bias": 2}
+#: Array options with batch dimensions, and how many trailing axes are not batch axes
+#: (``gamma``: retention's decays, one per head on its last axis).
+_BATCHED_OPTIONS = {"key_mask": 1, "query_mask": 1, "mask": 2, "bias": 2, "gamma": 0}
 
 
 def _heads(x, event: int):
@@ -37,7 +38,8 @@ def group_heads(q, k, v, options: dict):
 
     def split(x, event: int, name: str):
         h = _heads(x, event)
-        if h is None or x.ndim < event + 1 + (q.ndim - 3):  # no head axis: broadcasts
+        # no head axis (it broadcasts); a per-head option (event 0) has its heads last
+        if h is None or (event and x.ndim < event + 1 + (q.ndim - 3)):
             return x
         lead = tuple(x.shape[:-event - 1])
         tail = tuple(x.shape[x.ndim - event:])

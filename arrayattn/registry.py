@@ -53,6 +53,9 @@ class Variant:
         Whether the output is linear in ``v`` (so that :func:`attention_matrix` gives
         the matrix the variant applies).  False for variants whose weights depend on
         ``v`` (Luna: the unpack step attends to keys made from the packed values).
+    prepare : callable or None
+        ``prepare(q, options) -> options``: options resolved from the caller's ``q``
+        before grouped-query heads are split (retention's default per-head decays).
 
     Examples
     --------
@@ -83,6 +86,7 @@ class Variant:
     cross: bool = True
     notes: str = ""
     linear_in_v: bool = True
+    prepare: Callable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
@@ -97,6 +101,8 @@ class Variant:
         from ._heads import group_heads
 
         opts = {**self.defaults, **options}
+        if self.prepare is not None:
+            opts = self.prepare(q, opts)
         fn = self.call or self.fn
         grouped = group_heads(q, k, v, opts) if hasattr(q, "shape") else None
         if grouped is None:

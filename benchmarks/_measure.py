@@ -87,9 +87,11 @@ def machine() -> dict:
     return info
 
 
-def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], meta: dict):
-    """Write ``results/<name>.json`` and ``results/<name>.md``; return the Markdown table."""
-    out_dir = os.path.join(os.path.dirname(__file__), "results")
+def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], meta: dict,
+                  folder: str | None = None):
+    """Write ``<folder>/<name>.json`` and ``<folder>/<name>.md`` (default ``results/``);
+    return the Markdown table."""
+    out_dir = folder or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=2, default=str)

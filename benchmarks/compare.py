@@ -47,9 +47,18 @@ rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((HEADS, N, 64), dtype=np.float32) for _ in range(3))
 n4 = max(1, N // 4)
 pad = rng.random((HEADS, N)) < 0.9
+sync = lambda x: x
+if BACKEND == "torch":
+    import torch
+    q, k, v, pad = (torch.asarray(x) for x in (q, k, v, pad))
+elif BACKEND == "jax":
+    import jax.numpy as jnp
+    q, k, v, pad = (jnp.asarray(x) for x in (q, k, v, pad))
+    sync = lambda x: x.block_until_ready()
 out = {}
 for name, expr in CASES.items():
-    f = eval("lambda: " + expr)
+    g = eval("lambda: " + expr)
+    f = lambda: sync(g())
     f()
     times = []
     for _ in range(3):
@@ -61,8 +70,9 @@ print(json.dumps(out))
 """
 
 
-def _run(repo: str, cases: dict, n: int, heads: int) -> dict:
-    head = f"REPO = {repo!r}\nCASES = {cases!r}\nN = {n}\nHEADS = {heads}\n"
+def _run(repo: str, cases: dict, n: int, heads: int, backend: str = "numpy") -> dict:
+    head = (f"REPO = {repo!r}\nCASES = {cases!r}\nN = {n}\nHEADS = {heads}\n"
+            f"BACKEND = {backend!r}\n")
     res = subprocess.run([sys.executable, "-c", head + _CHILD], capture_output=True,
                          text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -77,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--backend", default="numpy", choices=("numpy", "torch", "jax"),
+                    help="the inputs' library (torch and JAX run eagerly on the CPU)")
     args = ap.parse_args(argv)
     cases = {k: v for k, v in CASES.items()
              if not args.cases or any(s in k for s in args.cases.split(","))}
@@ -88,12 +100,14 @@ def main(argv=None) -> int:
         try:
             for _ in range(args.rounds):
                 for side, repo in (("before", old), ("after", ROOT)):
-                    for name, t in _run(repo, cases, args.n, args.heads).items():
+                    for name, t in _run(repo, cases, args.n, args.heads,
+                                        args.backend).items():
                         times[side].setdefault(name, []).append(t)
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old],
                            check=False)
-    lines = [f"Before = {args.base}, after = the work tree; NumPy float32, ({args.heads}, "
+    lines = [f"Before = {args.base}, after = the work tree; {args.backend} float32, "
+             f"({args.heads}, "
              f"{args.n}, 64); median over {args.rounds} interleaved rounds of the best of "
              "3 calls.", "", "| case | before (ms) | after (ms) | speed-up |",
              "|---|---:|---:|---:|"]
@@ -107,7 +121,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "compare.md"), "w") as fh:
         fh.write(text)
     with open(os.path.join(args.out, "compare.json"), "w") as fh:
-        json.dump({"base": args.base, "n": args.n, "heads": args.heads, "seconds": times},
+        json.dump({"base": args.base, "n": args.n, "heads": args.heads,
+                   "backend": args.backend, "seconds": times},
                   fh, indent=1)
     return 0
 

@@ -119,3 +119,21 @@ def test_nystrom_peer_is_the_same_algorithm():
     np.testing.assert_allclose(port, ours, rtol=0, atol=1e-10 * np.abs(v).max())
     assert not np.allclose(port, arrayattn.nystrom_attention(q, k, v, num_landmarks=6,
                                                               pinv_iters=2), atol=1e-6)
+
+
+def test_bench_gated_smoke(tmp_path):
+    """benchmarks/bench_gated.py on a tiny problem: every gated variant and the baseline
+    on NumPy (and jitted JAX when installed), ratios to the baseline."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_gated", os.path.join(ROOT, "benchmarks", "bench_gated.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    backends = "numpy,jax" if importlib.util.find_spec("jax") else "numpy"
+    mod.main(["--n", "40", "--heads", "2", "--d", "8", "--repeats", "1",
+              "--backends", backends, "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "gated.json").read_text())
+    names = {r["variant"] for r in data["rows"]}
+    gated = {r.name for r in arrayattn.variants() if r.family == "gated"}
+    assert gated <= names and len(names) == len(gated) + 1
+    assert all(r["time_ms"] > 0 for r in data["rows"])
+    assert (tmp_path / "gated.md").read_text().count("|") > 10

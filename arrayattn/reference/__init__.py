@@ -10,12 +10,13 @@ The forms take validated inputs in their working dtype (the public functions of
 :mod:`arrayattn` validate, choose the implementation and cast back); each is a plain
 function that can be read -- and called -- on its own.
 """
-from . import masks, exact, kernel, performer, rfa, nystrom, linformer, luna, sparse, pooling, lsh
+from . import masks, exact, kernel, performer, rfa, gated, nystrom, linformer, luna, sparse, pooling, lsh
 from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
+from .gated import *  # noqa: F401,F403
 from .nystrom import *  # noqa: F401,F403
 from .linformer import *  # noqa: F401,F403
 from .luna import *  # noqa: F401,F403
@@ -29,6 +30,7 @@ __all__ = [
     *kernel.__all__,
     *performer.__all__,
     *rfa.__all__,
+    *gated.__all__,
     *nystrom.__all__,
     *linformer.__all__,
     *luna.__all__,
