@@ -33,6 +33,9 @@ class ArrayBackend:
     sync: Callable[[Any], None]
     memory: str | None
     module: Any = None
+    #: How a timed function is prepared: ``jax.jit`` on JAX (compiled by the warm-up
+    #: call, then timed), the function itself elsewhere.
+    compile: Callable[[Callable], Callable] = staticmethod(lambda fn: fn)
 
     def reset_peak(self):
         if self.memory == "cuda":
@@ -102,7 +105,8 @@ def get_array_backend(name: str, dtype: str = "float32") -> ArrayBackend:
         def sync(x):
             if hasattr(x, "block_until_ready"):
                 x.block_until_ready()
-        return ArrayBackend(name, str(jax.devices()[0].platform), as_jax, sync, None, jax)
+        return ArrayBackend(name, str(jax.devices()[0].platform), as_jax, sync, None, jax,
+                            compile=jax.jit)
     cupy = _import("cupy", name)
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:

@@ -13,7 +13,7 @@ import pytest
 import arrayattn
 from arrayattn import Variant, registry, softmax_attention
 from arrayattn.cli import main
-from arrayattn.report import (CASES, Workload, make_inputs, reference, run_report,
+from arrayattn.report import (BASELINE, CASES, Workload, kind_of, make_inputs, reference, run_report,
                               run_sweeps, sweep_values)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -229,3 +229,49 @@ def test_baseline_row_and_kinds():
     assert kinds == {"softmax": "exact", "performer_positive": "approximates softmax",
                      "linformer": "own architecture"}
     assert all(r.min_ms <= r.median_ms for r in rows if r.kind != "baseline")
+
+
+def test_real_heads_data():
+    """The shipped real heads: shapes, finite, trained-head norms, provenance, and the
+    baseline (mean of v) about 0.8 from exact attention, as on real transformers."""
+    from arrayattn.data import real_heads, real_heads_info
+    q, k, v = real_heads()
+    assert q.shape == k.shape == v.shape == (36, 256, 32) and q.dtype == np.float64
+    assert all(np.isfinite(x).all() for x in (q, k, v))
+    assert 5.0 < np.linalg.norm(q, axis=-1).mean() < 9.0
+    assert 5.0 < np.linalg.norm(k, axis=-1).mean() < 9.0
+    info = real_heads_info()
+    assert info["model_licence"] == "Apache-2.0" and info["layers"] == [0, 2, 5]
+    assert "public domain" in info["text"] and info["tokens"] == 256
+    ref = reference(q, k, v)
+    base = np.broadcast_to(v.mean(axis=-2, keepdims=True), ref.shape)
+    assert 0.7 < np.linalg.norm(base - ref) / np.linalg.norm(ref) < 0.9
+    q[0, 0, 0] = 1e9                       # a copy: the cached data is not touched
+    assert real_heads()[0][0, 0, 0] != 1e9
+
+
+def test_real_case_in_the_report():
+    """``real`` is a default case, with its own shape whatever the workload says; exact
+    attention scores rounding error there, the baseline about 0.8."""
+    assert "real" in CASES
+    q, k, v = make_inputs(Workload(n=40, d=8, heads=3), "real")
+    assert q.shape == (1, 36, 256, 32)
+    rows = run_report(Workload(n=40, d=8, heads=2, repeats=1), ["softmax"])
+    real = {r.variant: r for r in rows if r.case == "real"}
+    assert real["softmax"].rel_error < 1e-6
+    assert 0.7 < real[BASELINE].rel_error < 0.9
+
+
+def test_plot_panels_per_family_and_parameter():
+    """One error panel per (family, parameter) of the approximations of softmax: window
+    and stride never share an axis, exact variants and own architectures have none."""
+    from arrayattn.report import _error_panels
+    names = [r.name for r in arrayattn.variants()]
+    panels = _error_panels(names)
+    assert ("sparse", "window") in panels and ("sparse", "stride") in panels
+    assert len(panels) == len(set(panels))
+    params = [p for _, p in panels]
+    assert "block_size" not in params            # exact blockwise is not an approximation
+    assert all(kind_of(arrayattn.get_variant(n)) == "approximates softmax"
+               for n in names if (arrayattn.get_variant(n).family,
+                                  arrayattn.get_variant(n).parameter) in panels)
