@@ -147,9 +147,9 @@ _COMMON = """causal : bool
         state between them, decays in log space) or the recurrence, one token at a time;
         equal to rounding.
     chunk_size : int
-        Tokens per chunk; ``n`` need not be a multiple of it.  The defaults (32 for
-        retention and SSD, 16 for the delta rule, 8 for GLA, whose per-dimension pair
-        decays cost ``c dk`` per token) are the fastest measured on a CPU at ``d = 64``
+        Tokens per chunk; ``n`` need not be a multiple of it (GLA rounds it up to a
+        power of 2).  The defaults (32 for retention and SSD, 16 for the delta rule and
+        GLA) are the fastest measured on a CPU at ``d = 64``
         (``benchmarks/bench_gated.py``).
     scale : float, optional
         Multiplies ``q``; ``None`` means no scale (fla's kernels default to
@@ -234,7 +234,7 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
 
 @_doc
 def gla_attention(q, k, v, g, /, *, causal=True, key_mask=None, method="chunked",
-                  chunk_size=8, scale=None, initial_state=None, return_state=False):
+                  chunk_size=16, scale=None, initial_state=None, return_state=False):
     r"""Gated linear attention (GLA; Yang et al. 2024, "Gated Linear Attention
     Transformers with Hardware-Efficient Training"): a data-dependent gate per token and
     key dimension.

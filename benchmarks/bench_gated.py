@@ -2,7 +2,7 @@
 ``linear_attention`` (elu+1, chunked: the non-gated baseline of issue #18).
 
     python benchmarks/bench_gated.py [--n 16384] [--heads 8] [--d 64] [--repeats 3]
-                                     [--backends numpy,jax]
+                                     [--backends numpy,jax] [--variants gla,ssd]
 
 float32 ``(heads, n, d)`` inputs, gates drawn once outside the timed call (the uniform
 call would draw them on the host every time), each variant at its function's default
@@ -47,7 +47,7 @@ def _cases(xp_asarray, q, k, v, rng):
     }
 
 
-def run(n: int, heads: int, d: int, repeats: int, backends) -> list[dict]:
+def run(n: int, heads: int, d: int, repeats: int, backends, only=None) -> list[dict]:
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -70,6 +70,8 @@ def run(n: int, heads: int, d: int, repeats: int, backends) -> list[dict]:
         q, k, v = (asarray(x) for x in host)
         base = None
         for name, (fn, gates) in _cases(asarray, q, k, v, np.random.default_rng(1)).items():
+            if only and base is not None and name not in only:
+                continue
             f = wrap(fn)
             t = median_time(lambda: sync(f(q, k, v, *gates)), repeats=repeats, warmup=1)
             base = t if base is None else base
@@ -86,9 +88,12 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backends", default="numpy,jax")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated subset (the baseline always runs)")
     ap.add_argument("--out", default=None, help="results folder (default results/)")
     args = ap.parse_args(argv)
-    rows = run(args.n, args.heads, args.d, args.repeats, args.backends.split(","))
+    rows = run(args.n, args.heads, args.d, args.repeats, args.backends.split(","),
+               [x for x in args.variants.split(",") if x])
     meta = {"machine": machine(), "n": args.n, "heads": args.heads, "d": args.d,
             "dtype": "float32", "goal": "chunked forms within 3x of causal linear_attention"}
     cols = [("backend", "backend"), ("variant", "variant"), ("n", "n"),

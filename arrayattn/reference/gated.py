@@ -17,16 +17,16 @@ DeltaNet (``alpha = 1``) and gated DeltaNet the delta rule.  Gates are given in 
 
 Each has its recurrence (one token at a time, as fla's ``naive.py`` files) and a chunked
 form: quadratic inside a chunk of ``c`` tokens, the state between chunks.  The chunked
-forms never form a cumulative product: the decay from key ``j`` to query ``t`` is
-``exp(sum_(j < l <= t) g_l)``, a masked sum per pair inside a chunk, so every factor is
-``<= 1``, a gate of 0 (``g = -inf``) is an exact restart and nothing overflows.
+forms never form a cumulative product, and every decay they exponentiate is a sum of log
+gates over a stretch that ends where it is used (``sum_(j < l <= t) g_l``), so every factor
+is ``<= 1``, a gate of 0 (``g = -inf``) is an exact restart and nothing overflows.
 """
 from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-__all__ = ["decay_matrix", "gla_recurrent", "gla_chunked", "delta_recurrent",
-           "delta_chunked", "in_chunks"]
+__all__ = ["decay_matrix", "sum_after", "within_chunks", "gla_recurrent", "gla_chunked",
+           "delta_recurrent", "delta_chunked", "in_chunks"]
 
 
 def in_chunks(x, c: int):
@@ -68,22 +68,56 @@ def gla_recurrent(q, k, v, g, s0):
     return xp.concat(out, axis=-2), s
 
 
+def sum_after(g):
+    """``sum_(l > j) g_l`` along the tokens (axis -2): the log decay from token ``j`` to
+    the end of its stretch (a reversed cumulative sum, shifted: ``-inf`` gates stay exact)."""
+    xp = array_namespace(g)
+    rev = xp.flip(xp.cumulative_sum(xp.flip(g[..., 1:, :], axis=-2), axis=-2), axis=-2)
+    return xp.concat([rev, xp.zeros_like(g[..., :1, :])], axis=-2)
+
+
+def within_chunks(q, k, v, g):
+    """``sum_(j <= t) (q_t * exp(sum_(j < l <= t) g_l)) . k_j v_j`` inside chunks ``(..., c,
+    .)`` of ``c = 2^L`` tokens with per-dimension gates, by halving: each pair ``j < t``
+    is split at exactly one level into a left half (``j``) and a right half (``t``) that
+    meet at the pivot ``p``, the left half's last token, where the decay factors as
+    ``exp(sum_(p < l <= t) g) exp(sum_(j < l <= p) g)``, both ``<= 1`` and each a sum
+    inside its own half; one matmul per level covers all such pairs."""
+    xp = array_namespace(q, k, v, g)
+    c = q.shape[-2]
+    out = xp.sum(q * k, axis=-1, keepdims=True) * v                  # j = t: no decay
+    h = c // 2
+    while h >= 1:
+        qs, ks, vs, gs = (xp.reshape(x, (*x.shape[:-2], c // (2 * h), 2, h, x.shape[-1]))
+                          for x in (q, k, v, g))
+        g_left, g_right = gs[..., 0, :, :], gs[..., 1, :, :]
+        to_t = xp.exp(xp.cumulative_sum(g_right, axis=-2))                   # p -> t
+        to_p = xp.exp(sum_after(g_left))                                     # j -> p
+        a = (qs[..., 1, :, :] * to_t) @ xp.matrix_transpose(ks[..., 0, :, :] * to_p)
+        add = a @ vs[..., 0, :, :]
+        out = out + xp.reshape(xp.stack([xp.zeros_like(add), add], axis=-3), out.shape)
+        h //= 2
+    return out
+
+
 def gla_chunked(q, k, v, g, s0, chunk_size: int):
     """The gated recurrence by chunks of ``c`` tokens: inside a chunk query ``t`` reads
-    key ``j <= t`` through ``q_t diag(D_tj) k_j^T`` (:func:`decay_matrix`); the state
-    entering the chunk reaches ``t`` through ``exp(G_t)``, ``G_t = sum_(l <= t) g_l``
-    from the chunk start, and leaves it decayed by ``exp(G_c)``: ``(O, S_n)``."""
+    key ``j <= t`` through ``q_t diag(D_tj) k_j^T`` (one gate per token: the
+    :func:`decay_matrix` mask on ``Q K^T``; per key dimension: :func:`within_chunks`,
+    ``c`` rounded up to a power of 2); the state entering the chunk reaches ``t`` through
+    ``exp(G_t)``, ``G_t = sum_(l <= t) g_l`` from the chunk start, and leaves it decayed by
+    ``exp(G_c)``: ``(O, S_n)``."""
     xp = array_namespace(q, k, v, g)
-    n = q.shape[-2]
-    qc, kc, vc, gc = (in_chunks(x, min(chunk_size, max(n, 1))) for x in (q, k, v, g))
-    d = decay_matrix(gc)                                            # (..., nc, c, c, f)
-    if gc.shape[-1] == 1:     # one gate per token: a (c, c) decay mask on q k^T
-        a = (qc @ xp.matrix_transpose(kc)) * d[..., 0]
-    else:                     # one gate per key dimension: sum over it per pair
-        a = xp.sum(qc[..., :, None, :] * kc[..., None, :, :] * d, axis=-1)
-    within = a @ vc
+    n, per_dim = q.shape[-2], g.shape[-1] > 1
+    c = min(chunk_size, max(n, 1))
+    c = 2 ** (c - 1).bit_length() if per_dim else c
+    qc, kc, vc, gc = (in_chunks(x, c) for x in (q, k, v, g))
+    if per_dim:
+        within = within_chunks(qc, kc, vc, gc)
+    else:
+        within = ((qc @ xp.matrix_transpose(kc)) * decay_matrix(gc)[..., 0]) @ vc
     into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # state -> query t
-    upd = xp.matrix_transpose(kc * d[..., -1, :, :]) @ vc           # keys -> chunk end
+    upd = xp.matrix_transpose(kc * xp.exp(sum_after(gc))) @ vc      # keys -> chunk end
     s, out = s0, []
     for i in range(qc.shape[-3]):
         out.append(within[..., i, :, :] + (qc[..., i, :, :] * into[..., i, :, :]) @ s)
