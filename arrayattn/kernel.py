@@ -214,7 +214,7 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
 
 def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
                               chunk_size, eps, sz0=None, maps=None, engine_maps=None,
-                              m=None):
+                              m=None, normalize=True):
     """Kernel attention on validated inputs in the working dtype, NumPy engine or
     reference form (chosen once): ``(out in p.dtype, Sz (*batch, m, dv + 1))``.
 
@@ -222,6 +222,8 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
     ``engine_maps`` the same maps for the NumPy engine (default ``maps``); ``m`` is the
     feature width when known (sizes the engine's blocks).  Masked keys and
     values are zeroed once here (padding may hold NaN or inf).  ``s = 0``: zeros.
+    ``normalize=False`` (the numerator alone) runs the reference form: the engine has no
+    such path.
     """
     xp = p.xp
     query_map, key_map = (None, None) if maps is None else maps
@@ -229,7 +231,8 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
     m = q.shape[-1] if m is None else m
     with entry(xp):
         k, v = reference.zero_masked_keys(key_mask, k, v)
-        if numpy_engine(xp, math.prod(batch) * (p.n + p.s) * max(m, p.dv + 1) * 4):
+        if normalize and numpy_engine(xp, math.prod(batch) * (p.n + p.s) * max(m, p.dv + 1)
+                                      * 4):
             out, sz = numpy_kernel.kernel_attention(
                 v, query_features=numpy_kernel.rows_of(q, engine_q),
                 key_features=numpy_kernel.rows_of(k, engine_k), n=p.n, s=p.s, batch=batch,
@@ -240,7 +243,7 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
             pk = k if key_map is None else key_map(k)
             out, sz = reference.kernel_attention(
                 pq, pk, v, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, eps=eps, state=sz0)
+                chunk_size=chunk_size, eps=eps, state=sz0, normalize=normalize)
     sz = xp.broadcast_to(sz, (*batch, *sz.shape[-2:]))
     return xp.astype(out, p.dtype, copy=False), sz
 
@@ -340,7 +343,8 @@ def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
 
 
 def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=None,
-                     eps=None, method=None, chunk_size=64, return_state=False):
+                     eps=None, method=None, chunk_size=64, return_state=False,
+                     normalize=True):
     r"""Linear (kernel) attention of Katharopoulos et al. 2020.
 
     .. math::
@@ -368,6 +372,10 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
         As in :func:`feature_attention`: end-aligned causality in three equal forms
         (``"chunked"`` default, ``"cumsum"``, ``"recurrent"``); masked keys leave
         numerator and denominator; ``eps`` only guards a zero denominator.
+    normalize : bool
+        ``False``: the numerator alone, ``O_i = sum_j (phi_q(q_i) . phi_k(k_j)) v_j`` (fla's
+        ``normalize=False``, its linear attention's default; with the identity map and
+        ``causal=True`` it is retention with ``gamma = 1``).  Runs the reference form.
 
     Returns
     -------
@@ -410,7 +418,8 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
     m = fm.dim(p.d) if fm.dim is not None else None
     out, sz = _kernel_dispatch(
         p, wq, wk, wv, batch=p.batch, causal=causal, key_mask=key_mask, method=method,
-        chunk_size=chunk_size, eps=eps, maps=maps, engine_maps=engine_maps, m=m)
+        chunk_size=chunk_size, eps=eps, maps=maps, engine_maps=engine_maps, m=m,
+        normalize=check_flag("normalize", normalize))
     if not return_state:
         return out
     return out, LinearAttentionState(sz[..., :-1], sz[..., -1], p.s, fm)

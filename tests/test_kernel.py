@@ -570,3 +570,23 @@ class TestFeatureAttentionPadding:
                               key_mask=backend.asarray(km), causal=causal)
         assert np.isfinite(backend.to_numpy(b)).all()
         np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unnormalised_linear_attention(backend, rng, causal):
+    """``normalize=False``: ``O_i = sum_{j in J_i} (phi(q_i) . phi(k_j)) v_j`` (fla's
+    default), against a float64 loop on every backend, with masked keys."""
+    from conftest import make_qkv
+    q, k, v = make_qkv(rng, batch=(2,), n=12, s=15, d=4, dv=3)
+    keep = rng.random((2, 15)) > 0.3
+    phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0)))  # noqa: E731
+    want = np.zeros((2, 12, 3))
+    for b in range(2):
+        for i in range(12):
+            for j in range(15):
+                if keep[b, j] and not (causal and j > i + 3):
+                    want[b, i] += (phi(q[b, i]) @ phi(k[b, j])) * v[b, j]
+    on = backend.asarray
+    out = linear_attention(on(q), on(k), on(v), causal=causal, normalize=False,
+                           key_mask=on(keep))
+    xp_assert_close(out, on(want), rtol=0, atol=64 * 15 * 2.0 ** -52 * np.abs(want).max())

@@ -76,11 +76,14 @@ def kernel_chunked(phi_q, phi_k, v1, sz0, chunk_size: int):
 
 
 def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="chunked",
-                     chunk_size=64, eps=0.0, state=None):
+                     chunk_size=64, eps=0.0, state=None, normalize=True):
     r"""Kernel attention on features: ``(O, Sz)`` with ``O (..., n, dv)`` and the final
     state ``Sz = [S, z] (..., m, dv + 1)`` (``state``: the ``Sz`` of earlier keys, seen by
-    every query).  ``method`` picks the causal form; all are equal to rounding."""
+    every query).  ``method`` picks the causal form; all are equal to rounding.
+    ``normalize=False`` returns the numerator alone (fla's unnormalised linear
+    attention)."""
     xp = array_namespace(phi_q, phi_k, v)
+    finish = (lambda num: guarded_divide(num, eps)) if normalize else (lambda num: num[..., :-1])
     phi_k, v = zero_masked_keys(key_mask, phi_k, v)   # in neither numerator nor denominator
     ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=device(v))
     v1 = xp.concat([v, ones], axis=-1)       # [v, 1]: the last column is the denominator
@@ -88,7 +91,7 @@ def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="ch
     sz0 = sz0 if state is None else sz0 + state
     if not causal:
         sz = sz0 + xp.matrix_transpose(phi_k) @ v1
-        return guarded_divide(phi_q @ sz, eps), sz
+        return finish(phi_q @ sz), sz
     n, s = phi_q.shape[-2], phi_k.shape[-2]
     if s > n:        # keys before the first query are seen by every query: into the state
         sz0 = sz0 + xp.matrix_transpose(phi_k[..., :s - n, :]) @ v1[..., :s - n, :]
@@ -105,18 +108,18 @@ def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="ch
         num, sz = kernel_cumsum(phi_q, phi_k, v1, sz0)
     else:
         num, sz = kernel_chunked(phi_q, phi_k, v1, sz0, chunk_size)
-    return guarded_divide(num, eps), sz
+    return finish(num), sz
 
 
 def linear_attention(q, k, v, *, feature_map, causal=False, key_mask=None,
-                     method="chunked", chunk_size=64, eps=0.0):
+                     method="chunked", chunk_size=64, eps=0.0, normalize=True):
     r"""Linear attention ``phi_q(Q) (phi_k(K)^T V) / phi_q(Q) (phi_k(K)^T 1)``
     (Katharopoulos et al. 2020) with ``feature_map`` a
     :class:`~arrayattn.feature_maps.FeatureMap`; returns ``(O, Sz)``."""
     k, v = zero_masked_keys(key_mask, k, v)   # padding may hold NaN: never fed to the map
     return kernel_attention(feature_map.query(q), feature_map.key(k), v, causal=causal,
                             key_mask=key_mask, method=method, chunk_size=chunk_size,
-                            eps=eps)
+                            eps=eps, normalize=normalize)
 
 
 def efficient_attention(q, k, v, *, key_mask=None):
