@@ -108,7 +108,7 @@ def gla_chunked(q, k, v, g, s0, chunk_size: int):
     ``exp(G_t)``, ``G_t = sum_(l <= t) g_l`` from the chunk start, and leaves it decayed by
     ``exp(G_c)``: ``(O, S_n)``."""
     xp = array_namespace(q, k, v, g)
-    n, per_dim = q.shape[-2], g.shape[-1] > 1
+    n, per_dim = q.shape[-2], g.shape[-1] != 1
     c = min(chunk_size, max(n, 1))
     c = 2 ** (c - 1).bit_length() if per_dim else c
     qc, kc, vc, gc = (in_chunks(x, c) for x in (q, k, v, g))
