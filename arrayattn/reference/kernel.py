@@ -55,24 +55,26 @@ def kernel_cumsum(phi_q, phi_k, v1, sz0):
 def kernel_chunked(phi_q, phi_k, v1, sz0, chunk_size: int):
     """Chunks of ``c`` tokens: within a chunk the masked quadratic form
     ``tril(phi_Q phi_K^T) [V, 1]``; the state entering chunk ``b`` is ``Sz0`` plus the
-    exclusive cumulative sum of the chunk states ``phi_K_c^T [V_c, 1]``."""
+    exclusive cumulative sum of the chunk states ``phi_K_c^T [V_c, 1]`` (``Sz0=None``:
+    no earlier state, and no full-size addition of zeros)."""
     xp = array_namespace(phi_q, phi_k, v1)
     n = phi_q.shape[-2]
     c = min(chunk_size, n)
     nc, pad = -(-n // c), -n % c
     # zero rows at the end: a zero key adds nothing, the padded queries are dropped
-    qc, kc, vc = (xp.reshape(xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]),
-                                                      dtype=x.dtype, device=device(x))],
-                                       axis=-2), (*x.shape[:-2], nc, c, x.shape[-1]))
-                  for x in (phi_q, phi_k, v1))
+    padded = (phi_q, phi_k, v1) if not pad else (
+        xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype,
+                               device=device(x))], axis=-2) for x in (phi_q, phi_k, v1))
+    qc, kc, vc = (xp.reshape(x, (*x.shape[:-2], nc, c, x.shape[-1])) for x in padded)
     kv = xp.matrix_transpose(kc) @ vc                                # (..., nc, m, dv+1)
     prefix = xp.cumulative_sum(kv, axis=-3, include_initial=True)   # states before chunks
-    before = sz0[..., None, :, :] + prefix[..., :-1, :, :]
+    before = prefix[..., :-1, :, :]
+    before = before if sz0 is None else sz0[..., None, :, :] + before
     past = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(phi_q)))
     within = xp.where(past, qc @ xp.matrix_transpose(kc), 0.0) @ vc
     num = qc @ before + within
     num = xp.reshape(num, (*num.shape[:-3], nc * c, num.shape[-1]))[..., :n, :]
-    return num, sz0 + prefix[..., -1, :, :]
+    return num, prefix[..., -1, :, :] if sz0 is None else sz0 + prefix[..., -1, :, :]
 
 
 def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="chunked",
@@ -106,8 +108,9 @@ def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="ch
         num, sz = kernel_recurrent(phi_q, phi_k, v1, sz0)
     elif method == "cumsum":
         num, sz = kernel_cumsum(phi_q, phi_k, v1, sz0)
-    else:
-        num, sz = kernel_chunked(phi_q, phi_k, v1, sz0, chunk_size)
+    else:            # no earlier state and no key before the first query: none to add
+        empty = state is None and s <= n
+        num, sz = kernel_chunked(phi_q, phi_k, v1, None if empty else sz0, chunk_size)
     return finish(num), sz
 
 

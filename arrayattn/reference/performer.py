@@ -65,8 +65,9 @@ def performer_features(q, k, omega, *, kind, scale: float, causal=False, key_mas
     xp = array_namespace(q, k, omega)
     w, a, c = favor_rows(omega, kind=kind, scale=scale, gerf_a=gerf_a)
     q = -q if scale < 0 else q                      # exp(-|scale| q·k): negate one side
-    tq = q @ xp.matrix_transpose(w) + a             # (..., n, m')
-    tk = k @ xp.matrix_transpose(w) + a             # (..., s, m')
+    tq, tk = q @ xp.matrix_transpose(w), k @ xp.matrix_transpose(w)   # (..., n|s, m')
+    if not isinstance(a, float):                    # trig and favor++ offsets
+        tq, tk = tq + a, tk + a
     hk = xp.sum(k * k, axis=-1, keepdims=True) * (abs(scale) / 2)      # ‖k̃‖²/2
     keep = None if key_mask is None else key_mask[..., None]
 
@@ -80,7 +81,8 @@ def performer_features(q, k, omega, *, kind, scale: float, causal=False, key_mas
         phi_k = xp.sin(tk) * xp.exp(hk if causal else hk - key_max(hk))
     elif kind in ("positive", "hyperbolic", "favor++"):
         if causal:          # each key within its own bound c_f; exp(c_f) to the queries
-            phi_q = xp.exp(tq + c - xp.max(tq + c, axis=-1, keepdims=True))
+            eq = tq + c
+            phi_q = xp.exp(eq - xp.max(eq, axis=-1, keepdims=True))
             phi_k = xp.exp(tk - hk - c)
         else:
             phi_q = xp.exp(tq - xp.max(tq, axis=-1, keepdims=True))
