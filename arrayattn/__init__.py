@@ -27,6 +27,7 @@ from .sparse import (BlockLayout, bigbird_layout, block_layout, fixed_layout, lo
                      local_layout, longformer_layout, sparse_attention, strided_layout)
 from .pooling import pooled_spans, pooling_attention
 from .lsh import lsh_attention, lsh_buckets, lsh_rotations
+from .backward import vjp
 
 __version__ = "0.1.0"
 
@@ -49,4 +50,5 @@ __all__ = [
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
     "pooling_attention", "pooled_spans",
     "lsh_attention", "lsh_buckets", "lsh_rotations",
+    "vjp",
 ]

@@ -98,23 +98,15 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
     >>> bool(np.allclose(softmax_attention(q, k, v, block_size=2), softmax_attention(q, k, v)))
     True
     """
-    p = check_qkv(q, k, v)
-    causal = check_flag("causal", causal)
-    check_key_mask(p, key_mask, q)
-    check_mask(p, mask, q)
-    bias = check_bias(p, bias, q)
-    if isinstance(block_size, str) and block_size == "auto":
-        block_size = default_block_size(q)
-    block_size = check_positive_int("block_size", block_size, allow_none=True)
-    scale = check_scale(scale, p.d)
+    p, opts, block_size = checked_call(q, k, v, scale=scale, causal=causal,
+                                       key_mask=key_mask, mask=mask, bias=bias,
+                                       block_size=block_size)
     if p.s == 0:
         return p.zeros()
     xp = p.xp
-    wq = xp.astype(q, p.work_dtype, copy=False)
-    wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
-                              xp.astype(v, p.work_dtype, copy=False))
+    wq, wk, wv = working_qkv(p, q, k, v, key_mask)
+    bias = opts.pop("bias")
     blocks = block_size is not None and (block_size < p.n or block_size < p.s)
-    opts = dict(scale=scale, causal=causal, key_mask=key_mask, mask=mask)
     tile = p.n * (min(block_size, p.s) if blocks else p.s)
     with entry(xp):
         if bias is None and numpy_engine(xp, tile * _batch_size(p) * 4):
@@ -126,6 +118,31 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
         else:
             out = reference.softmax_attention(wq, wk, wv, bias=bias, **opts)
     return xp.astype(out, p.dtype, copy=False)
+
+
+def checked_call(q, k, v, *, scale, causal, key_mask, mask, bias, block_size):
+    """Validate a :func:`softmax_attention` call: ``(problem, options, block_size)`` with
+    the options the reference forms take (``bias`` cast to the working dtype) and
+    ``block_size`` resolved (``None`` for the dense form)."""
+    p = check_qkv(q, k, v)
+    causal = check_flag("causal", causal)
+    check_key_mask(p, key_mask, q)
+    check_mask(p, mask, q)
+    bias = check_bias(p, bias, q)
+    if isinstance(block_size, str) and block_size == "auto":
+        block_size = default_block_size(q)
+    block_size = check_positive_int("block_size", block_size, allow_none=True)
+    scale = check_scale(scale, p.d)
+    opts = dict(scale=scale, causal=causal, key_mask=key_mask, mask=mask, bias=bias)
+    return p, opts, block_size
+
+
+def working_qkv(p: Problem, q, k, v, key_mask):
+    """``q, k, v`` in the working dtype, the rows of masked keys zeroed."""
+    xp = p.xp
+    wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
+                              xp.astype(v, p.work_dtype, copy=False))
+    return xp.astype(q, p.work_dtype, copy=False), wk, wv
 
 
 def _batch_size(p: Problem) -> int:

@@ -10,9 +10,10 @@ The forms take validated inputs in their working dtype (the public functions of
 :mod:`arrayattn` validate, choose the implementation and cast back); each is a plain
 function that can be read -- and called -- on its own.
 """
-from . import masks, exact, kernel, performer, rfa, gated, nystrom, linformer, luna, sparse, pooling, lsh
+from . import masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, linformer, luna, sparse, pooling, lsh
 from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
+from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
@@ -27,6 +28,7 @@ from .lsh import *  # noqa: F401,F403
 __all__ = [
     *masks.__all__,
     *exact.__all__,
+    *exact_vjp.__all__,
     *kernel.__all__,
     *performer.__all__,
     *rfa.__all__,

@@ -1,0 +1,120 @@
+"""The backward pass: :func:`vjp`, the vector-Jacobian product of every variant.
+
+``arrayattn.vjp(variant, q, k, v, do, **options)`` returns the cotangent of every
+differentiable array the call received, keyed by its keyword name.  Each variant's
+backward is written as explicit equations beside its reference form
+(``arrayattn/reference/*_vjp.py``); the adapters in this package validate the call the
+way the forward does, run that backward in the working dtype and hand it back here,
+where grouped-query heads are summed over each group and every gradient is cast to its
+argument's dtype.  :data:`TABLE` maps each public function to its adapter.
+"""
+from __future__ import annotations
+
+from .._heads import group_heads
+from .._validate import broadcast_batch, check_array, check_same_array_kind
+from .._xp import xp_namespace
+from ..registry import Variant, get_variant
+from . import exact as _exact
+from .. import exact
+
+__all__ = ["vjp", "TABLE"]
+
+#: Public function (or registry call adapter) -> its backward adapter
+#: ``adapter(q, k, v, do, /, **options) -> dict`` (gradients shaped like their arguments,
+#: in the working dtype).
+TABLE = {
+    exact.softmax_attention: _exact.softmax_attention_vjp,
+}
+
+
+def vjp(variant, q, k, v, do, /, **options) -> dict:
+    r"""The vector-Jacobian product of a variant: the gradients of ``<do, f(q, k, v)>``.
+
+    Parameters
+    ----------
+    variant : str, Variant or callable
+        A registry name (its default options apply, as in the uniform call), a
+        :class:`~arrayattn.Variant`, or a public function such as
+        :func:`~arrayattn.softmax_attention`.
+    q, k, v : arrays
+        The forward's inputs.
+    do : array, shape ``(..., n, dv)``
+        The cotangent of the output (the output's shape, same namespace and device).
+    **options
+        The forward's options.  Array options that are differentiable (``bias``, gates,
+        ``beta``, ``initial_state`` ...) get a cotangent too.
+
+    Returns
+    -------
+    dict
+        ``{"q": dq, "k": dk, "v": dv, ...}``: one entry per differentiable array argument,
+        each with that argument's shape, dtype, namespace and device.  Random matrices
+        drawn from ``seed`` and boolean masks get none.  Grouped-query heads: ``dk``,
+        ``dv`` are summed over each group.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import arrayattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, do = (rng.standard_normal((2, 6, 4)) for _ in range(4))
+    >>> g = arrayattn.vjp("softmax", q, k, v, do, causal=True)
+    >>> sorted(g), g["q"].shape
+    (['k', 'q', 'v'], (2, 6, 4))
+    >>> bool(np.allclose(g["q"][:, 0], 0.0))   # the first query sees one key only
+    True
+    """
+    rec = variant if isinstance(variant, Variant) else (
+        get_variant(variant) if isinstance(variant, str) else None)
+    if rec is not None:
+        options = {**rec.defaults, **options}
+        if rec.prepare is not None:
+            options = rec.prepare(q, options)
+        fn = rec.call or rec.fn
+    else:
+        fn = variant
+    adapter = TABLE.get(fn)
+    if adapter is None:
+        name = rec.name if rec is not None else getattr(fn, "__name__", repr(fn))
+        raise NotImplementedError(f"no backward is registered for {name}")
+    _check_cotangent(q, k, v, do)
+    grouped = group_heads(q, k, v, options) if hasattr(q, "shape") else None
+    if grouped is None:
+        grads = adapter(q, k, v, do, **options)
+    else:
+        qg, kg, vg, opts, _ = grouped
+        xp = xp_namespace(q, do)
+        dog = xp.reshape(do, (*qg.shape[:-2], *do.shape[-2:]))
+        grads = adapter(qg, kg, vg, dog, **opts)
+    return _like_arguments(grads, {"q": q, "k": k, "v": v, **options})
+
+
+def _check_cotangent(q, k, v, do):
+    check_array("do", do)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(name, x, min_ndim=2)
+    xp = xp_namespace(q, do, names=("q", "do"))
+    check_same_array_kind(xp, "q", q, "do", do)
+    if not xp.isdtype(do.dtype, "real floating"):
+        raise TypeError(f"do must have a real floating dtype; got {do.dtype}")
+    batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
+                             ("v", tuple(v.shape[:-2]))])
+    hq, hk = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 and k.ndim >= 3 else (0, 0)
+    if hk and hq != hk and hk != 1 and hq % hk == 0:       # grouped-query heads
+        batch = (*batch[:-1], hq)
+    expected = (*batch, q.shape[-2], v.shape[-1])
+    if tuple(do.shape) != expected:
+        raise ValueError(f"do must have the output's shape {expected}; got shape "
+                         f"{tuple(do.shape)}")
+
+
+def _like_arguments(grads: dict, arguments: dict) -> dict:
+    """Each gradient reshaped (grouped heads) and cast to its argument's shape and dtype."""
+    out = {}
+    for name, g in grads.items():
+        arg = arguments[name]
+        xp = xp_namespace(arg, g)
+        if tuple(g.shape) != tuple(arg.shape):
+            g = xp.reshape(g, tuple(arg.shape))
+        out[name] = xp.astype(g, arg.dtype, copy=False)
+    return out
