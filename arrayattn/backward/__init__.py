@@ -19,9 +19,10 @@ from .. import exact
 
 __all__ = ["vjp", "TABLE"]
 
-#: Public function (or registry call adapter) -> its backward adapter
-#: ``adapter(q, k, v, do, /, **options) -> dict`` (gradients shaped like their arguments,
-#: in the working dtype).
+#: Public function, or registry name (for a record whose uniform call adapts its inputs,
+#: e.g. draws gates or builds a layout) -> its backward adapter
+#: ``adapter(q, k, v, do, /, **options) -> dict`` taking the options of that function (or
+#: of that uniform call), returning gradients shaped like their arguments.
 TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
 }
@@ -73,7 +74,8 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
         fn = rec.call or rec.fn
     else:
         fn = variant
-    adapter = TABLE.get(fn)
+    adapter = TABLE.get(rec.name) if rec is not None else None
+    adapter = adapter if adapter is not None else TABLE.get(fn)
     if adapter is None:
         name = rec.name if rec is not None else getattr(fn, "__name__", repr(fn))
         raise NotImplementedError(f"no backward is registered for {name}")
