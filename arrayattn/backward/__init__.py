@@ -17,7 +17,7 @@ from ..registry import Variant, get_variant
 from . import exact as _exact
 from .. import exact
 
-__all__ = ["vjp", "TABLE"]
+__all__ = ["vjp", "has_backward", "TABLE"]
 
 #: Public function, or registry name (for a record whose uniform call adapts its inputs,
 #: e.g. draws gates or builds a layout) -> its backward adapter
@@ -65,20 +65,14 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
     >>> bool(np.allclose(g["q"][:, 0], 0.0))   # the first query sees one key only
     True
     """
-    rec = variant if isinstance(variant, Variant) else (
-        get_variant(variant) if isinstance(variant, str) else None)
+    rec, fn, adapter = _resolve(variant)
+    if adapter is None:
+        name = rec.name if rec is not None else getattr(fn, "__name__", repr(fn))
+        raise NotImplementedError(f"no backward is registered for {name}")
     if rec is not None:
         options = {**rec.defaults, **options}
         if rec.prepare is not None:
             options = rec.prepare(q, options)
-        fn = rec.call or rec.fn
-    else:
-        fn = variant
-    adapter = TABLE.get(rec.name) if rec is not None else None
-    adapter = adapter if adapter is not None else TABLE.get(fn)
-    if adapter is None:
-        name = rec.name if rec is not None else getattr(fn, "__name__", repr(fn))
-        raise NotImplementedError(f"no backward is registered for {name}")
     _check_cotangent(q, k, v, do)
     grouped = group_heads(q, k, v, options) if hasattr(q, "shape") else None
     if grouped is None:
@@ -91,6 +85,20 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
     return _like_arguments(grads, {"q": q, "k": k, "v": v, **options})
 
 
+def _resolve(variant):
+    """``(record or None, function, adapter or None)`` of a name, record or function."""
+    rec = variant if isinstance(variant, Variant) else (
+        get_variant(variant) if isinstance(variant, str) else None)
+    fn = (rec.call or rec.fn) if rec is not None else variant
+    adapter = TABLE.get(rec.name) if rec is not None else None
+    return rec, fn, adapter if adapter is not None else TABLE.get(fn)
+
+
+def has_backward(variant) -> bool:
+    """Whether :func:`vjp` knows the backward of ``variant`` (name, record or function)."""
+    return _resolve(variant)[2] is not None
+
+
 def _check_cotangent(q, k, v, do):
     check_array("do", do)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -99,11 +107,11 @@ def _check_cotangent(q, k, v, do):
     check_same_array_kind(xp, "q", q, "do", do)
     if not xp.isdtype(do.dtype, "real floating"):
         raise TypeError(f"do must have a real floating dtype; got {do.dtype}")
-    batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
-                             ("v", tuple(v.shape[:-2]))])
+    lead = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2])}
     hq, hk = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 and k.ndim >= 3 else (0, 0)
     if hk and hq != hk and hk != 1 and hq % hk == 0:       # grouped-query heads
-        batch = (*batch[:-1], hq)
+        lead["k"] = lead["v"] = (*lead["k"][:-1], 1)
+    batch = broadcast_batch(list(lead.items()))
     expected = (*batch, q.shape[-2], v.shape[-1])
     if tuple(do.shape) != expected:
         raise ValueError(f"do must have the output's shape {expected}; got shape "
