@@ -245,3 +245,24 @@ def test_vjp_refuses_bad_cotangents_and_unknown_variants(rng):
         arrayattn.vjp("sofmax", q, k, v, do)
     with pytest.raises(NotImplementedError, match="no backward"):
         arrayattn.vjp(lambda q, k, v: v, q, k, v, do)
+
+
+@pytest.mark.parametrize("impl", ["engine", "engine_split"])
+@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"causal": True, "key_mask": True},
+                                  {"mask": True}])
+@pytest.mark.parametrize("n, s", [(37, 37), (20, 50), (50, 20)])
+def test_exact_vjp_numpy_engine_equals_reference(impl, opts, n, s, rng):
+    from conftest import implementation
+    q, k, v = make_qkv(rng, batch=(2, 3), n=n, s=s, d=8, norm=8.0, sharp=True)
+    do = rng.standard_normal((2, 3, n, 8))
+    opts = dict(opts)
+    if opts.get("key_mask"):
+        opts["key_mask"] = rng.random((2, 1, s)) > 0.2
+    if opts.get("mask"):
+        opts["mask"] = rng.random((n, s)) > 0.1
+    with implementation(impl):
+        got = arrayattn.vjp("softmax", q, k, v, do, **opts)
+    with arrayattn.use_engine("reference"):
+        ref = arrayattn.vjp("softmax", q, k, v, do, **opts)
+    for name in "qkv":
+        assert _rel(got[name], ref[name]) <= 1e-13, name
