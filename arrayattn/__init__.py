@@ -10,6 +10,7 @@ from . import reference
 # Import order is registration order: the report, the docs catalogue and the benchmarks
 # list the variants family by family.
 from .exact import softmax_attention
+from .paged import paged_attention
 from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
 from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
                      feature_attention_step, linear_attention, linear_attention_state,
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants", "use_engine",
     "reference",
-    "softmax_attention",
+    "softmax_attention", "paged_attention",
     "FeatureMap", "get_feature_map", "taylor_feature_map",
     "LinearAttentionState", "feature_attention", "feature_attention_step",
     "linear_attention", "linear_attention_state", "linear_attention_step",

@@ -16,7 +16,8 @@ __all__ = ["grouped_query_heads", "group_heads"]
 
 #: Array options with batch dimensions, and how many trailing axes are not batch axes
 #: (``gamma``: retention's decays, one per head on its last axis).
-_BATCHED_OPTIONS = {"key_mask": 1, "query_mask": 1, "mask": 2, "bias": 2, "gamma": 0}
+_BATCHED_OPTIONS = {"key_mask": 1, "query_mask": 1, "mask": 2, "bias": 2, "gamma": 0,
+                    "dropout_mask": 2, "alibi_slopes": 0}
 
 
 def _heads(x, event: int):
@@ -60,6 +61,9 @@ def group_heads(q, k, v, options: dict):
     kg, vg = xp.expand_dims(k, axis=k.ndim - 2), xp.expand_dims(v, axis=v.ndim - 2)
 
     def ungroup(out):
+        if isinstance(out, tuple):           # (out, lse): lse has no feature axis
+            o, lse = out
+            return ungroup(o), xp.reshape(lse, (*lse.shape[:-3], hq, lse.shape[-1]))
         return xp.reshape(out, (*out.shape[:-4], hq, *out.shape[-2:]))
 
     return qg, kg, vg, new, ungroup

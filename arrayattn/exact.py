@@ -11,6 +11,8 @@ softmax of Milakov & Gimelshein 2018.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import reference
 from ._devices import default_block_size
 from ._engine import entry, numpy_engine
@@ -18,6 +20,9 @@ from ._heads import grouped_query_heads
 from ._numpy import exact as engine
 from ._validate import (Problem, check_bias, check_flag, check_key_mask, check_mask,
                         check_positive_int, check_qkv, check_scale)
+from ._validate_options import (check_alibi_slopes, check_callable, check_cu_seqlens,
+                                check_dropout, check_query_mask, check_softcap, check_window)
+from .reference.logits import Logits, segment_ids
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 
@@ -26,13 +31,19 @@ __all__ = ["softmax_attention"]
 
 @grouped_query_heads
 def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, mask=None,
-                      bias=None, block_size=None):
-    r"""Exact scaled dot-product attention.
+                      bias=None, block_size=None, window=None, softcap=None,
+                      alibi_slopes=None, query_mask=None, return_lse=False,
+                      dropout_mask=None, dropout_p=0.0, cu_seqlens_q=None,
+                      cu_seqlens_k=None, score_mod=None, mask_mod=None):
+    r"""Exact scaled dot-product attention, with every option a kernel author tests.
 
-    .. math:: O = \operatorname{softmax}\!\left(Q K^\top \cdot \mathrm{scale} + B + M\right) V
+    .. math:: O = \operatorname{softmax}\!\left(\ell(Q K^\top \cdot \mathrm{scale})
+              + B + M\right) V
 
-    where :math:`B` is the optional additive ``bias`` and :math:`M_{ij} = -\infty` for
-    every key ``j`` that query ``i`` may not see.
+    where :math:`\ell` is the softcap and ``score_mod`` (in that order), :math:`B` the
+    additive ``bias`` and ALiBi, and :math:`M_{ij} = -\infty` for every key ``j`` that
+    query ``i`` may not see (window, causal, masks, packed segments, ``mask_mod``): the
+    pipeline of :mod:`arrayattn.reference.logits`.
 
     Parameters
     ----------
@@ -46,14 +57,14 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
         Multiplies the logits; ``None`` means ``1/sqrt(d)``.
     causal : bool
         End-aligned causal masking (as FlashAttention-2): query ``i`` sees key
-        ``j <= i + (s - n)``.
+        ``j <= i + (s - n)``; the same as ``window=(None, 0)``.
     key_mask : boolean array, shape ``(..., s)``, optional
         ``True`` marks a real key; masked keys get weight 0.
     mask : boolean array, shape ``(..., n, s)``, optional
         ``True`` where query ``i`` may attend to key ``j``. Combined (AND) with
         ``causal`` and ``key_mask``.
     bias : real floating array, shape ``(..., n, s)``, optional
-        Added to the scaled logits (ALiBi slopes, T5/relative-position biases, a float
+        Added to the scaled logits (ALiBi, T5/relative-position biases, a float
         mask as SDPA's float ``attn_mask``); broadcasts like ``mask``; ``-inf`` entries
         act as masked (a row with no finite entry returns zeros).  Cast to the working
         dtype.
@@ -63,10 +74,41 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
         element instead of ``O(n s)``, same result to rounding.  ``"auto"`` chooses per
         device: 512 on a CPU (a cache-sized tile), 4096 on a GPU (fewer launches; the
         registry record ``softmax_blockwise`` uses it).
+    window : (int or None, int or None), optional
+        FlashAttention's ``window_size``: query ``i`` sees keys
+        ``i + s - n - left <= j <= i + s - n + right``; ``None`` or ``-1`` is unbounded on
+        that side.  With ``causal=True``, ``right`` is capped at 0.
+    softcap : float, optional
+        Logits become ``softcap * tanh(logits / softcap)`` after scaling, before
+        ``score_mod``, bias and masks (Gemma 2, FlashAttention); ``0`` or ``None``: off.
+    alibi_slopes : array, shape ``(h,)`` or ``(b, h)``, optional
+        Adds ``-slope_h * |i + s - n - j|`` to the logits (FlashAttention's convention;
+        per packed segment with ``cu_seqlens``).  No cotangent in :func:`~arrayattn.vjp`.
+    query_mask : boolean array, shape ``(..., n)``, optional
+        ``False`` marks a padded query: its row returns zeros (and zero gradients).
+    return_lse : bool
+        Also return the natural-log log-sum-exp of each row's visible final logits,
+        shape ``(..., n)``, in the working dtype; ``-inf`` (``log 0``) for a row that
+        sees no key or is padded (FlashAttention stores ``+inf`` there).
+    dropout_mask : boolean array, shape ``(..., n, s)``, optional
+        The keep-mask of dropout, applied after the softmax: ``O = (P * keep) V / (1 - p)``.
+    dropout_p : float
+        The dropout rate ``p`` in ``[0, 1)`` the keep-mask was drawn with.
+    cu_seqlens_q, cu_seqlens_k : integer arrays, shape ``(B + 1,)``, optional
+        Packed variable-length sequences (``flash_attn_varlen_func``): ``q (..., total_q,
+        d)``, ``k, v (..., total_k, .)``; segment ``b`` is queries ``cu_q[b]:cu_q[b+1]``
+        and keys ``cu_k[b]:cu_k[b+1]``, attending only inside itself, causal, window and
+        ALiBi end-aligned per segment.  Equal to running the segments one by one.
+    score_mod : callable, optional
+        FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, called on the
+        (soft-capped) logits with broadcast index arrays of the caller's namespace
+        (``b`` the first batch axis, ``h`` the query head, axis -3).
+    mask_mod : callable, optional
+        FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``; ``False`` hides a key.
 
     Returns
     -------
-    array, shape ``(..., n, dv)``
+    array, shape ``(..., n, dv)``, or ``(out, lse)`` with ``return_lse=True``
         Same namespace, device and dtype as ``q``. A query that may attend to no key
         returns zeros. float16/bfloat16 inputs are computed in float32.
 
@@ -74,10 +116,10 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
     ------
     TypeError
         Non-floating or mismatched dtypes, arrays of different libraries, non-boolean
-        masks.
+        masks, non-integer ``cu_seqlens``.
     ValueError
         Shapes that do not fit (the message names the argument and both shapes),
-        ``block_size <= 0``.
+        ``block_size <= 0``, a malformed window or ``cu_seqlens``.
 
     Notes
     -----
@@ -97,44 +139,102 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
     True
     >>> bool(np.allclose(softmax_attention(q, k, v, block_size=2), softmax_attention(q, k, v)))
     True
+    >>> out, lse = softmax_attention(q, k, v, window=(1, 0), softcap=5.0, return_lse=True)
+    >>> lse.shape
+    (2, 5)
     """
-    p, opts, block_size = checked_call(q, k, v, scale=scale, causal=causal,
-                                       key_mask=key_mask, mask=mask, bias=bias,
-                                       block_size=block_size)
-    if p.s == 0:
-        return p.zeros()
-    xp = p.xp
-    wq, wk, wv = working_qkv(p, q, k, v, key_mask)
-    bias = opts.pop("bias")
-    blocks = block_size is not None and (block_size < p.n or block_size < p.s)
-    tile = p.n * (min(block_size, p.s) if blocks else p.s)
-    with entry(xp):
-        if bias is None and numpy_engine(xp, tile * _batch_size(p) * 4):
-            out = (engine.blockwise(wq, wk, wv, block_size=block_size, out_shape=p.out_shape,
-                                    **opts) if blocks else engine.dense(wq, wk, wv, **opts))
-        elif blocks:
-            out = reference.softmax_attention_blockwise(wq, wk, wv, block_size=block_size,
-                                                        bias=bias, **opts)
-        else:
-            out = reference.softmax_attention(wq, wk, wv, bias=bias, **opts)
-    return xp.astype(out, p.dtype, copy=False)
+    call = checked_call(q, k, v, scale=scale, causal=causal, key_mask=key_mask, mask=mask,
+                        bias=bias, block_size=block_size, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, query_mask=query_mask,
+                        return_lse=return_lse, dropout_mask=dropout_mask,
+                        dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
+                        cu_seqlens_k=cu_seqlens_k, score_mod=score_mod, mask_mod=mask_mod)
+    return run(call, q, k, v)
 
 
-def checked_call(q, k, v, *, scale, causal, key_mask, mask, bias, block_size):
-    """Validate a :func:`softmax_attention` call: ``(problem, options, block_size)`` with
-    the options the reference forms take (``bias`` cast to the working dtype) and
-    ``block_size`` resolved (``None`` for the dense form)."""
+@dataclass(frozen=True)
+class Call:
+    """A validated :func:`softmax_attention` call: the problem, the logits pipeline, the
+    dropout keep-mask, the block size (``None``: dense) and whether ``lse`` is returned."""
+
+    p: Problem
+    logits: Logits
+    dropout: tuple | None
+    block_size: int | None
+    return_lse: bool
+
+
+def checked_call(q, k, v, *, scale=None, causal=False, key_mask=None, mask=None, bias=None,
+                 block_size=None, window=None, softcap=None, alibi_slopes=None,
+                 query_mask=None, return_lse=False, dropout_mask=None, dropout_p=0.0,
+                 cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None, mask_mod=None,
+                 shift=None) -> Call:
+    """Validate a :func:`softmax_attention` call once (``shift``: a per-row alignment
+    array ``(..., n)`` of a caller such as :func:`~arrayattn.paged_attention`)."""
     p = check_qkv(q, k, v)
-    causal = check_flag("causal", causal)
+    left, right = check_window(window, check_flag("causal", causal))
     check_key_mask(p, key_mask, q)
     check_mask(p, mask, q)
     bias = check_bias(p, bias, q)
     if isinstance(block_size, str) and block_size == "auto":
         block_size = default_block_size(q)
     block_size = check_positive_int("block_size", block_size, allow_none=True)
-    scale = check_scale(scale, p.d)
-    opts = dict(scale=scale, causal=causal, key_mask=key_mask, mask=mask, bias=bias)
-    return p, opts, block_size
+    if block_size is not None and block_size >= p.n and block_size >= p.s:
+        block_size = None
+    segments = None
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together (packed queries and "
+                         "packed keys)")
+    if cu_seqlens_q is not None:
+        cq = check_cu_seqlens(p, "cu_seqlens_q", cu_seqlens_q, p.n, q)
+        ck = check_cu_seqlens(p, "cu_seqlens_k", cu_seqlens_k, p.s, q)
+        if cq.shape != ck.shape:
+            raise ValueError(f"cu_seqlens_q {tuple(cq.shape)} and cu_seqlens_k "
+                             f"{tuple(ck.shape)} must describe the same number of sequences")
+        seg_q, seg_k = segment_ids(cq, p.n), segment_ids(ck, p.s)
+        segments = (seg_q, seg_k)
+        shift = p.xp.astype(p.xp.take(ck[1:] - cq[1:], seg_q), p.xp.int64)
+    heads = ()
+    if q.ndim >= 3:
+        grouped = q.ndim >= 5 and k.shape[-3] == 1 and q.shape[-3] > 1
+        heads = (q.shape[-4], q.shape[-3]) if grouped else (q.shape[-3],)
+    lg = Logits(scale=check_scale(scale, p.d), shift=p.s - p.n if shift is None else shift,
+                left=left, right=right, softcap=check_softcap(softcap),
+                score_mod=check_callable("score_mod", score_mod), bias=bias,
+                alibi_slopes=check_alibi_slopes(p, alibi_slopes, q), key_mask=key_mask,
+                query_mask=check_query_mask(p, query_mask, q), mask=mask,
+                mask_mod=check_callable("mask_mod", mask_mod), segments=segments,
+                heads=heads)
+    return Call(p, lg, check_dropout(p, dropout_mask, dropout_p, q), block_size,
+                check_flag("return_lse", return_lse))
+
+
+def run(call: Call, q, k, v):
+    """Run a validated call: the NumPy engine for large plain NumPy problems, else the
+    reference form (dense, or blockwise with a block size); cast back."""
+    p, lg = call.p, call.logits
+    xp = p.xp
+    if p.s == 0:
+        out = p.zeros()
+        lse = xp.full((*p.batch, p.n), -xp.inf, dtype=p.work_dtype, device=p.device)
+        return (out, lse) if call.return_lse else out
+    wq, wk, wv = working_qkv(p, q, k, v, lg.key_mask)
+    blocks = call.block_size
+    tile = p.n * (min(blocks, p.s) if blocks else p.s)
+    opts = dict(scale=lg.scale, causal=lg.right == 0, key_mask=lg.key_mask, mask=lg.mask)
+    with entry(xp):
+        if (lg.plain and lg.bias is None and call.dropout is None
+                and not call.return_lse and numpy_engine(xp, tile * _batch_size(p) * 4)):
+            out = (engine.blockwise(wq, wk, wv, block_size=blocks, out_shape=p.out_shape,
+                                    **opts) if blocks else engine.dense(wq, wk, wv, **opts))
+            lse = None
+        elif blocks:
+            out, lse = reference.attention_blockwise(wq, wk, wv, lg, block_size=blocks,
+                                                     dropout=call.dropout)
+        else:
+            out, lse = reference.attention(wq, wk, wv, lg, dropout=call.dropout)
+    out = xp.astype(out, p.dtype, copy=False)
+    return (out, lse) if call.return_lse else out
 
 
 def working_qkv(p: Problem, q, k, v, key_mask):

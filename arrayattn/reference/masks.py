@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
-__all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys", "attend"]
+__all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys", "attend",
+           "softmax_lse", "visible_rows"]
 
 
 def causal_mask(xp, n: int, s: int, *, device, shift: int | None = None, row0: int = 0,
@@ -61,18 +62,32 @@ def zero_masked_keys(key_mask, *arrays):
     return out if len(out) != 1 else out[0]
 
 
+def softmax_lse(x, allowed=None):
+    """``(softmax(x), logsumexp(x))`` along the last axis over the ``allowed`` entries,
+    max-shifted; a row with no allowed entry has zero weights and ``L = -inf``."""
+    xp = array_namespace(x)
+    if allowed is not None:
+        x = xp.where(allowed, x, -xp.inf)
+    m = xp.max(x, axis=-1, keepdims=True)
+    m = xp.where(m == -xp.inf, 0.0, m)
+    e = xp.exp(x - m)
+    total = xp.sum(e, axis=-1, keepdims=True)
+    safe = xp.where(total > 0, total, 1.0)
+    return e / safe, xp.where(total > 0, xp.log(safe) + m, -xp.inf)[..., 0]
+
+
+def visible_rows(v, allowed):
+    """``v`` with the rows no query of the tile sees set to 0 (``0 * nan`` guard)."""
+    if allowed is None:
+        return v
+    xp = array_namespace(v)
+    return xp.where(xp.any(allowed, axis=-2)[..., None], v, 0.0)
+
+
 def attend(scores, v, allowed=None):
     """``(softmax(scores) @ v, lse)`` over the ``allowed`` keys: the output and the
     log-sum-exp of the allowed scores ``(..., n)`` (``-inf`` for a row with no allowed
     key, whose output is 0).  The log-sum-exps let partial attentions over disjoint key
     sets be merged exactly (the online-softmax merge)."""
-    xp = array_namespace(scores, v)
-    if allowed is not None:
-        scores = xp.where(allowed, scores, -xp.inf)
-    m = xp.max(scores, axis=-1, keepdims=True)
-    m = xp.where(m == -xp.inf, 0.0, m)
-    p = xp.exp(scores - m)
-    total = xp.sum(p, axis=-1, keepdims=True)
-    safe = xp.where(total > 0, total, 1.0)
-    lse = xp.where(total > 0, xp.log(safe) + m, -xp.inf)
-    return (p @ v) / safe, lse[..., 0]
+    p, lse = softmax_lse(scores, allowed)
+    return p @ visible_rows(v, allowed), lse

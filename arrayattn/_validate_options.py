@@ -1,0 +1,138 @@
+"""Validation of exact attention's kernel options (windows, softcap, ALiBi, dropout
+keep-masks, packed sequences, FlexAttention hooks).
+
+Every error names the argument and what is wrong with it, as in :mod:`._validate`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import array_api_compat
+import numpy as np
+
+from ._validate import (Problem, _broadcast_batch, _check_bool, _shape, check_array,
+                        check_same_array_kind)
+from ._xp import to_numpy
+
+__all__ = ["check_window", "check_softcap", "check_alibi_slopes", "check_query_mask",
+           "check_dropout", "check_cu_seqlens", "check_callable"]
+
+
+def check_window(window, causal: bool):
+    """``(left, right)`` with ``None`` for an unbounded side (``-1`` and ``None`` given
+    mean unbounded); ``causal`` caps ``right`` at 0, as FlashAttention."""
+    if window is None:
+        left = right = None
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right); got {window!r}")
+        sides = []
+        for side, w in zip(("left", "right"), window):
+            if w is None or (isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                             and w == -1):
+                sides.append(None)
+            elif isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= 0:
+                sides.append(int(w))
+            else:
+                raise ValueError(f"window's {side} size must be an integer >= 0, or -1 / "
+                                 f"None for unbounded; got {w!r}")
+        left, right = sides
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def check_softcap(softcap):
+    """``None`` or ``0`` (off, as FlashAttention's ``softcap=0.0``), else a positive
+    finite number."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number; got {softcap!r}")
+    if softcap == 0:
+        return None
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive finite number (0 = off); got {softcap}")
+    return float(softcap)
+
+
+def check_alibi_slopes(p: Problem, slopes, q):
+    """``(h,)`` or ``(b, h)`` real floating (``h`` = the heads of ``q``, axis -3), cast to
+    the working dtype."""
+    if slopes is None:
+        return None
+    check_array("alibi_slopes", slopes)
+    check_same_array_kind(p.xp, "q", q, "alibi_slopes", slopes)
+    if not p.xp.isdtype(slopes.dtype, "real floating"):
+        raise TypeError(f"alibi_slopes must have a real floating dtype; got {slopes.dtype}")
+    heads = q.shape[-3] if q.ndim >= 3 else None
+    if slopes.ndim < 1 or heads is None or slopes.shape[-1] != heads:
+        raise ValueError(f"alibi_slopes must have shape (h,) or (b, h) with h = {heads} "
+                         f"(the heads of q, shape {_shape(q)}); got shape {_shape(slopes)}")
+    return p.xp.astype(slopes, p.work_dtype, copy=False)
+
+
+def check_query_mask(p: Problem, query_mask, q):
+    """``query_mask (..., n)`` boolean, broadcastable to the batch."""
+    if query_mask is None:
+        return None
+    _check_bool(p, "query_mask", query_mask, "q", q)
+    if query_mask.ndim < 1 or query_mask.shape[-1] != p.n:
+        raise ValueError(f"query_mask must have shape (..., n) with n={p.n} queries; got "
+                         f"shape {_shape(query_mask)}")
+    _broadcast_batch([("q/k/v", p.batch), ("query_mask", _shape(query_mask)[:-1])])
+    return query_mask
+
+
+def check_dropout(p: Problem, dropout_mask, dropout_p, q):
+    """``(keep (..., n, s) bool, p)`` or ``None``: a keep-mask is required for
+    ``dropout_p > 0`` (arrayattn draws no dropout of its own), ``0 <= p < 1``."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number; got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    if dropout_mask is None:
+        if dropout_p > 0:
+            raise ValueError("dropout_p > 0 needs dropout_mask= (the keep-mask, True = "
+                             "kept): arrayattn draws no random dropout")
+        return None
+    _check_bool(p, "dropout_mask", dropout_mask, "q", q)
+    if dropout_mask.ndim < 2 or tuple(dropout_mask.shape[-2:]) != (p.n, p.s):
+        raise ValueError(f"dropout_mask must have shape (..., n, s) = (..., {p.n}, {p.s}); "
+                         f"got shape {_shape(dropout_mask)}")
+    _broadcast_batch([("q/k/v", p.batch), ("dropout_mask", _shape(dropout_mask)[:-2])])
+    return dropout_mask, float(dropout_p)
+
+
+def check_cu_seqlens(p: Problem, name: str, cu, total: int, q):
+    """``cu (B + 1,)`` integer offsets: 0 first, non-decreasing, ``total`` last (checked on
+    the host where the values are concrete; a traced array is taken as given)."""
+    check_array(name, cu)
+    check_same_array_kind(p.xp, "q", q, name, cu)
+    if not p.xp.isdtype(cu.dtype, "integral"):
+        raise TypeError(f"{name} must have an integer dtype; got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must have shape (B + 1,) with B >= 1 sequences; got "
+                         f"shape {_shape(cu)}")
+    if array_api_compat.is_jax_array(cu) and not _concrete(cu):
+        return cu
+    host = to_numpy(cu)
+    if host[0] != 0 or host[-1] != total or np.any(np.diff(host) < 0):
+        raise ValueError(f"{name} must start at 0, never decrease and end at the packed "
+                         f"length {total}; got {host.tolist()}")
+    return cu
+
+
+def _concrete(x) -> bool:
+    try:
+        import jax
+        return not isinstance(x, jax.core.Tracer)
+    except ImportError:  # pragma: no cover
+        return True
+
+
+def check_callable(name: str, fn):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be a callable; got {type(fn).__name__}")
+    return fn
