@@ -113,8 +113,17 @@ def load_npz(path: str) -> dict:
     return arrays
 
 
+def _split_training(arrays: dict) -> tuple[dict, dict]:
+    """``(kernel arrays, the rest)``: ``do``, the gradients ``dq``, ``dk``, ``dv`` and
+    ``d<name>`` of another array ``<name>`` of the file, and ``lse``."""
+    names = {"q", "k", "v"} | set(arrays)
+    training = {key: a for key, a in arrays.items()
+                if key in ("do", "lse") or (key.startswith("d") and key[1:] in names)}
+    return training, {key: a for key, a in arrays.items() if key not in training}
+
+
 def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
-                 err=None, layout=None, profile=None) -> int:
+                 err=None, layout=None, profile=None, rule=None, factor=2.0) -> int:
     """The ``validate`` command: print the per-head table and the verdict; exit code."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -138,6 +147,14 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
                 raise UsageError(f"--option {key}={val} is larger than any attention "
                                  f"computation here could use (limit {MAX_OPTION:.0e})")
         arrays = load_npz(path)
+        training, arrays = _split_training(arrays)
+        grads = {key[1:]: a for key, a in training.items() if key != "do" and key != "lse"}
+        if grads and "do" not in training:
+            raise UsageError(f"{path} holds gradient(s) {', '.join('d' + g for g in grads)} "
+                             "but no 'do' (the output cotangent they were computed with)")
+        if (grads or "lse" in training) and profile is not None:
+            raise UsageError("gradients and lse are judged with --variant and the variant's "
+                             "own option names, not with a --profile")
         extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
         clash = sorted(set(extra) & set(params))
         if clash:
@@ -178,7 +195,38 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
         if hint:
             print(hint, file=out)
     print(c.verdict(), file=out)
-    return 0 if c.ok else 1
+    ok = c.ok
+    try:
+        ok = _judge_training(path, training, rec, arrays, params, rtol=rtol, layout=layout,
+                             rule=rule, factor=factor, out=out) and ok
+    except (ValueError, TypeError) as exc:
+        print(f"arrayattn validate: error: {path}: {exc}", file=err)
+        return 2
+    return 0 if ok else 1
+
+
+def _judge_training(path, training, rec, arrays, params, *, rtol, layout, rule, factor,
+                    out) -> bool:
+    """The gradient verdicts (``do`` and ``d<name>`` in the file) and the ``lse`` verdict;
+    True when every one matches (or there is nothing to judge)."""
+    from .grad_testing import compare_grads, compare_lse
+
+    ok = True
+    grads = {key[1:]: a for key, a in training.items() if key not in ("do", "lse")}
+    if grads:
+        gc = compare_grads(grads, rec, arrays["q"], arrays["k"], arrays["v"], training["do"],
+                           rtol=rtol, layout=layout, rule=rule, factor=factor, **params)
+        print(gc.table(), file=out)
+        print(gc.verdict(), file=out)
+        ok = ok and gc.ok
+    if "lse" in training:
+        lc = compare_lse(training["lse"], rec, arrays["q"], arrays["k"], arrays["v"],
+                         rtol=rtol, layout=layout, **params)
+        print("lse:\n" + lc.table(), file=out)
+        print(lc.verdict().replace("MATCH: ", "LSE MATCH: ", 1) if lc.ok else
+              lc.verdict().replace("MISMATCH: ", "LSE MISMATCH: ", 1), file=out)
+        ok = ok and lc.ok
+    return ok
 
 
 def _top_left_hint(c, arrays, params, rtol, layout, profile):
@@ -213,7 +261,8 @@ def _c_name(rec, profile) -> str:
 
 def _validate(args) -> int:
     return run_validate(args.file, args.variant, args.option, rtol=args.rtol,
-                        layout=args.layout, profile=args.profile)
+                        layout=args.layout, profile=args.profile, rule=args.rule,
+                        factor=args.factor)
 
 
 def _report(args) -> int:
@@ -310,7 +359,10 @@ def main(argv=None) -> int:
     val = sub.add_parser(
         "validate", help="compare another implementation's output with the reference",
         description="Compare the array 'out' of FILE.npz with arrayattn's float64 reference "
-        "of VARIANT on the file's q, k, v, per head. Other arrays in the file (random "
+        "of VARIANT on the file's q, k, v, per head. When the file holds 'do' (the output "
+        "cotangent) and any of dq, dk, dv or d<name> of another of its arrays, the "
+        "gradients are judged too (arrayattn.vjp), and 'lse' (the log-sum-exp, shape "
+        "(..., heads, n)) when present. Other arrays in the file (random "
         "matrices such as omega, e, f; masks) are passed as options of the same name. "
         "Exit 0 match, 1 mismatch, 2 usage error or malformed file.")
     val.add_argument("file", metavar="FILE.npz")
@@ -329,6 +381,13 @@ def main(argv=None) -> int:
     val.add_argument("--profile", choices=sorted(PROFILES), default=None,
                      help="a port's conventions (docs/validating.rst); --option then takes "
                      "the port's own options")
+    val.add_argument("--rule", choices=("float64", "same-dtype"), default=None,
+                     help="tolerance rule of the gradients: float64 (8x arrayattn's own "
+                     "float32 error; the default for float32/float64 files) or same-dtype "
+                     "(FlashAttention's: at most --factor times the error of the reference "
+                     "computed at the inputs' precision; the default for half precision)")
+    val.add_argument("--factor", type=float, default=2.0,
+                     help="the multiple of the same-dtype rule (default 2)")
     val.set_defaults(func=_validate)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -14,7 +14,16 @@ from ._xp import to_numpy, xp_device, xp_namespace
 
 __all__ = ["xp_assert_close", "xp_assert_equal", "xp_assert_kind", "default_tolerance",
            "compare_to_reference", "assert_matches_reference", "Comparison", "Profile",
-           "PROFILES", "get_profile", "LAYOUTS", "Prepared"]
+           "PROFILES", "get_profile", "LAYOUTS", "Prepared", "compare_grads",
+           "assert_grads_match"]
+
+
+def __getattr__(name):
+    """The gradient referee (:mod:`arrayattn.grad_testing`), loaded on first use."""
+    if name in ("compare_grads", "assert_grads_match"):
+        from . import grad_testing
+        return getattr(grad_testing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_tolerance(dtype, *, xp=None, factor: float = 1.0) -> float:
