@@ -17,7 +17,10 @@ __all__ = ["grouped_query_heads", "group_heads"]
 #: Array options with batch dimensions, and how many trailing axes are not batch axes
 #: (``gamma``: retention's decays, one per head on its last axis).
 _BATCHED_OPTIONS = {"key_mask": 1, "query_mask": 1, "mask": 2, "bias": 2, "gamma": 0,
-                    "dropout_mask": 2, "alibi_slopes": 0}
+                    "dropout_mask": 2, "alibi_slopes": 0, "conv_kernel": 1}
+#: Per-head options whose head axis is there without any batch axis before it
+#: (Nyströmformer's ``conv_kernel (H, K)``, one kernel per head).
+_PER_HEAD = {"conv_kernel"}
 
 
 def _heads(x, event: int):
@@ -40,7 +43,8 @@ def group_heads(q, k, v, options: dict):
     def split(x, event: int, name: str):
         h = _heads(x, event)
         # no head axis (it broadcasts); a per-head option (event 0) has its heads last
-        if h is None or (event and x.ndim < event + 1 + (q.ndim - 3)):
+        if h is None or (event and name not in _PER_HEAD
+                         and x.ndim < event + 1 + (q.ndim - 3)):
             return x
         lead = tuple(x.shape[:-event - 1])
         tail = tuple(x.shape[x.ndim - event:])

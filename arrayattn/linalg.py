@@ -135,6 +135,25 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
     >>> bool(np.allclose(zi, np.linalg.inv(a[:1]))), bool(res[0] < 1e-12)
     (True, True)
     """
+    xp, wa, iters, rtol = checked_pinv(a, method=method, iters=iters, init=init, rtol=rtol)
+    return_residual = check_flag("return_residual", return_residual)
+    with entry(xp):
+        if method == "iterative":
+            z = reference.pinv_razavi(wa, iters, init)
+        else:
+            if numpy_engine(xp, 4 * math.prod(a.shape) * min(a.shape[-2:])):
+                z = engine.pinv_svd(wa, rtol)
+            else:
+                z = reference.pinv_svd(wa, rtol)
+    out = xp.astype(z, a.dtype, copy=False)
+    if return_residual:
+        return out, xp.astype(_residual(xp, wa, z), a.dtype, copy=False)
+    return out
+
+
+def checked_pinv(a, /, *, method, iters, init, rtol):
+    """The validation of :func:`pinv` (shared with its backward): ``(xp, a in its working
+    dtype, iters, rtol resolved for "svd")``."""
     a = check_array("a", a)
     xp = xp_namespace(a)
     if a.ndim < 2:
@@ -155,21 +174,9 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
         if (isinstance(rtol, bool) or not isinstance(rtol, numbers.Real)
                 or not rtol >= 0):
             raise ValueError(f"rtol must be a real number >= 0; got {rtol!r}")
-    return_residual = check_flag("return_residual", return_residual)
     work = compute_dtype(xp, a.dtype)
-    wa = xp.astype(a, work, copy=False)
-    with entry(xp):
-        if method == "iterative":
-            z = reference.pinv_razavi(wa, iters, init)
-        else:
-            check_svd_available(xp)
-            if rtol is None:
-                rtol = max(a.shape[-2], a.shape[-1]) * float(xp.finfo(work).eps)
-            if numpy_engine(xp, 4 * math.prod(a.shape) * min(a.shape[-2:])):
-                z = engine.pinv_svd(wa, rtol)
-            else:
-                z = reference.pinv_svd(wa, rtol)
-    out = xp.astype(z, a.dtype, copy=False)
-    if return_residual:
-        return out, xp.astype(_residual(xp, wa, z), a.dtype, copy=False)
-    return out
+    if method == "svd":
+        check_svd_available(xp)
+        if rtol is None:
+            rtol = max(a.shape[-2], a.shape[-1]) * float(xp.finfo(work).eps)
+    return xp, xp.astype(a, work, copy=False), iters, rtol

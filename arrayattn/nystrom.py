@@ -180,6 +180,37 @@ def _check_conv_kernel(p, v, conv_kernel):
     return xp.astype(conv_kernel, p.work_dtype, copy=False)
 
 
+def checked_nystrom(q, k, v, /, *, num_landmarks, pinv, pinv_iters, pinv_init, pinv_rtol,
+                    scale, key_mask, query_mask, conv_kernel, causal):
+    """The validation of :func:`nystrom_attention` (shared with its backward):
+    ``(problem, working (q, k, v), reference options, working conv kernel or None,
+    work bytes)``."""
+    p = check_qkv(q, k, v)
+    work, options, work_bytes = _prepare(
+        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
+        query_mask=query_mask, causal=causal, variant="nystrom_attention")
+    check_choice("pinv", pinv, PINV_METHODS)
+    check_choice("pinv_init", pinv_init, PINV_INITS)
+    iters = check_positive_int("pinv_iters", pinv_iters, minimum=0)
+    if pinv_rtol is not None and pinv != "svd":
+        raise ValueError("pinv_rtol applies to pinv='svd' only")
+    if pinv == "svd":
+        check_svd_available(p.xp)
+    kernel = _check_conv_kernel(p, v, conv_kernel)
+    options.update(pinv=pinv, pinv_iters=iters, pinv_init=pinv_init, pinv_rtol=pinv_rtol)
+    return p, work, options, kernel, work_bytes
+
+
+def checked_landmark(q, k, v, /, *, num_landmarks, scale, key_mask, query_mask, causal):
+    """The validation of :func:`landmark_attention` (shared with its backward):
+    ``(problem, working (q, k, v), reference options, work bytes)``."""
+    p = check_qkv(q, k, v)
+    work, options, work_bytes = _prepare(
+        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
+        query_mask=query_mask, causal=causal, variant="landmark_attention")
+    return p, work, options, work_bytes
+
+
 def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_iters=6,
                       pinv_init="per_matrix", pinv_rtol=None, scale=None, key_mask=None,
                       query_mask=None, conv_kernel=None, causal=False):
@@ -270,19 +301,10 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
     >>> bool(np.allclose(exact, softmax_attention(q, k, v), rtol=0, atol=1e-10))
     True
     """
-    p = check_qkv(q, k, v)
-    (wq, wk, wv), options, work_bytes = _prepare(
-        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
-        query_mask=query_mask, causal=causal, variant="nystrom_attention")
-    check_choice("pinv", pinv, PINV_METHODS)
-    check_choice("pinv_init", pinv_init, PINV_INITS)
-    iters = check_positive_int("pinv_iters", pinv_iters, minimum=0)
-    if pinv_rtol is not None and pinv != "svd":
-        raise ValueError("pinv_rtol applies to pinv='svd' only")
-    if pinv == "svd":
-        check_svd_available(p.xp)
-    kernel = _check_conv_kernel(p, v, conv_kernel)
-    options.update(pinv=pinv, pinv_iters=iters, pinv_init=pinv_init, pinv_rtol=pinv_rtol)
+    p, (wq, wk, wv), options, kernel, work_bytes = checked_nystrom(
+        q, k, v, num_landmarks=num_landmarks, pinv=pinv, pinv_iters=pinv_iters,
+        pinv_init=pinv_init, pinv_rtol=pinv_rtol, scale=scale, key_mask=key_mask,
+        query_mask=query_mask, conv_kernel=conv_kernel, causal=causal)
     with entry(p.xp):
         if numpy_engine(p.xp, work_bytes):
             out = engine.nystrom_attention(wq, wk, wv, **options)
@@ -334,10 +356,9 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
     >>> bool(np.allclose(out, 1.0))
     True
     """
-    p = check_qkv(q, k, v)
-    (wq, wk, wv), options, work_bytes = _prepare(
-        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
-        query_mask=query_mask, causal=causal, variant="landmark_attention")
+    p, (wq, wk, wv), options, work_bytes = checked_landmark(
+        q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
+        query_mask=query_mask, causal=causal)
     with entry(p.xp):
         if numpy_engine(p.xp, work_bytes):
             out = engine.landmark_attention(wq, wk, wv, **options)

@@ -15,9 +15,11 @@ from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import exact as _exact
-from .. import exact
+from . import nystrom as _nystrom
+from .nystrom import pinv_vjp
+from .. import exact, nystrom
 
-__all__ = ["vjp", "has_backward", "TABLE"]
+__all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
 #: Public function, or registry name (for a record whose uniform call adapts its inputs,
 #: e.g. draws gates or builds a layout) -> its backward adapter
@@ -25,6 +27,8 @@ __all__ = ["vjp", "has_backward", "TABLE"]
 #: of that uniform call), returning gradients shaped like their arguments.
 TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
+    nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
+    nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
 }
 
 
