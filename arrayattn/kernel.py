@@ -231,6 +231,9 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
     m = q.shape[-1] if m is None else m
     with entry(xp):
         k, v = reference.zero_masked_keys(key_mask, k, v)
+        # causal: a non-finite key or value reaches only the rows that see it
+        bad = reference.nonfinite_rows(k, v) if causal else None
+        k, v = (k, v) if bad is None else reference.drop_nonfinite(bad, k, v)
         if normalize and numpy_engine(xp, math.prod(batch) * (p.n + p.s) * max(m, p.dv + 1)
                                       * 4):
             out, sz = numpy_kernel.kernel_attention(
@@ -244,6 +247,9 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
             out, sz = reference.kernel_attention(
                 pq, pk, v, causal=causal, key_mask=key_mask, method=method,
                 chunk_size=chunk_size, eps=eps, state=sz0, normalize=normalize)
+    if bad is not None:
+        out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
+        sz = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, sz)
     sz = xp.broadcast_to(sz, (*batch, *sz.shape[-2:]))
     return xp.astype(out, p.dtype, copy=False), sz
 

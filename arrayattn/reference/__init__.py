@@ -10,7 +10,8 @@ The forms take validated inputs in their working dtype (the public functions of
 :mod:`arrayattn` validate, choose the implementation and cast back); each is a plain
 function that can be read -- and called -- on its own.
 """
-from . import masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, pooling, lsh
+from . import finite, masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, pooling, lsh
+from .finite import *  # noqa: F401,F403
 from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
@@ -27,6 +28,7 @@ from .pooling import *  # noqa: F401,F403
 from .lsh import *  # noqa: F401,F403
 
 __all__ = [
+    *finite.__all__,
     *masks.__all__,
     *exact.__all__,
     *exact_vjp.__all__,
