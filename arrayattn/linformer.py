@@ -22,7 +22,7 @@ from ._validate import (check_array, check_flag, check_key_mask, check_no_causal
 from ._xp import xp_from_host, xp_namespace
 from .registry import Variant, register
 
-__all__ = ["linformer_attention", "linformer_projection"]
+__all__ = ["linformer_attention", "linformer_projection", "checked_linformer", "host_to_q"]
 
 _WHY_NOT_CAUSAL = (
     "every compressed key (E k)_r and value (F v)_r is a mix of all s positions, past "

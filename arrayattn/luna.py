@@ -23,7 +23,7 @@ from ._validate import (check_array, check_flag, check_key_mask, check_no_causal
 from ._xp import xp_device, xp_from_host
 from .registry import Variant, register
 
-__all__ = ["luna_attention"]
+__all__ = ["luna_attention", "checked_luna", "uniform_inputs"]
 
 _NOT_CAUSAL = (
     "every packed token P' attends to all s keys, and every output attends to every "
@@ -186,13 +186,13 @@ _UNIFORM_L = 16
 def _uniform_call(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
     """Registry adapter: ``P`` and (when ``dv != d``) ``W_K`` drawn on the host with
     ``numpy.random.default_rng(seed)`` (``seed`` a non-negative integer)."""
-    p, options = uniform_inputs(q, k, v, num_packed, seed, options)
+    p, options = uniform_inputs(q, k, v, num_packed=num_packed, seed=seed, **options)
     return luna_attention(q, k, v, p, **options)
 
 
-def uniform_inputs(q, k, v, num_packed, seed, options):
+def uniform_inputs(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
     """``(P, options)`` of the uniform call: ``P`` drawn, and ``W_K`` added to the
-    options when ``dv != d`` and none is given (shared with the backward)."""
+    other options when ``dv != d`` and none is given (shared with the backward)."""
     prob = check_qkv(q, k, v)
     xp = prob.xp
     num_packed = check_positive_int("num_packed", num_packed)

@@ -63,8 +63,8 @@ def _case(name, case, rng, *, batch=(2, 3), n=11, s=13, d=6, dv=5, m=4, l=5, nor
         elif case == "key_mask":
             km = rng.random((batch[0], 1, s)) > 0.3
             km[..., -1] = False                              # masked in every head
-            opts.update(e=rng.standard_normal((m, s)), f=rng.standard_normal((*batch, m, s)),
-                        key_mask=km)
+            opts.update(e=rng.standard_normal((m, s)),
+                        f=rng.standard_normal((*batch, m, s)), key_mask=km)
         elif case == "scale":
             opts.update(e=rng.standard_normal((m, s)), scale=0.3)
         elif case == "broadcast":                            # the output's batch from e
@@ -287,7 +287,7 @@ def test_luna_uniform_call(rng):
     q, k, v, do, _ = _case("luna", "wk", rng)                 # dv = 5 != d = 6
     grads = arrayattn.vjp("luna", q, k, v, do, num_packed=4, seed=3)
     assert sorted(grads) == ["k", "q", "v"]
-    p, opts = uniform_inputs(q, k, v, 4, 3, {})
+    p, opts = uniform_inputs(q, k, v, num_packed=4, seed=3)
     full = arrayattn.vjp(luna_attention, q, k, v, do, p=p, **opts)
     assert sorted(full) == ["k", "p", "q", "unpack_key_proj", "v"]
     for key in grads:
@@ -313,8 +313,8 @@ def _grouped_case(name, heads, rng):
         opts = {"e": rng.standard_normal((heads, 3, 10)), "f": rng.standard_normal((3, 10)),
                 "key_mask": km}
     else:
-        opts = {"p": rng.standard_normal((heads, 4, 6)), "unpack_value_proj": rng.standard_normal((heads, 6, 6)),
-                "key_mask": km}
+        opts = {"p": rng.standard_normal((heads, 4, 6)),
+                "unpack_value_proj": rng.standard_normal((heads, 6, 6)), "key_mask": km}
     return q, k, v, opts
 
 
@@ -364,15 +364,15 @@ def test_luna_grouped_forward_with_per_head_projection(rng):
                                rtol=1e-12, atol=1e-12)
 
 
-# --- dtypes, empty inputs, errors ----------------------------------------------------------
+# --- dtypes, empty inputs, errors -------------------------------------------------------
 
 @pytest.mark.parametrize("name", FNS)
 def test_vjp_float32_is_cast_back(name, rng):
     case = "key_mask" if name == "linformer" else "wk_wv"
     q, k, v, do, opts = _case(name, case, rng)
     expected = arrayattn.vjp(FNS[name], q, k, v, do, **opts)
-    opts32 = {key: (val.astype(np.float32) if hasattr(val, "dtype") and val.dtype.kind == "f"
-                    else val) for key, val in opts.items()}
+    opts32 = {key: (val.astype(np.float32) if key in _diff(opts) else val)
+              for key, val in opts.items()}
     grads = arrayattn.vjp(FNS[name], *(x.astype(np.float32) for x in (q, k, v, do)),
                           **opts32)
     for key, g in grads.items():
@@ -386,8 +386,8 @@ def test_vjp_float32_is_cast_back(name, rng):
 def test_linformer_projection_dtype_is_its_own(rng):
     """``e`` in float64 with float32 ``q``: its cotangent comes back in float64."""
     q, k, v, do, opts = _case("linformer", "shared", rng)
-    grads = arrayattn.vjp(linformer_attention, *(x.astype(np.float32) for x in (q, k, v, do)),
-                          **opts)
+    grads = arrayattn.vjp(linformer_attention,
+                          *(x.astype(np.float32) for x in (q, k, v, do)), **opts)
     assert grads["e"].dtype == np.float64 and grads["q"].dtype == np.float32
 
 

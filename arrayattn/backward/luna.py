@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import reference
 from .._engine import entry
 from .._validate import check_flag
-from ..luna import _UNIFORM_L, checked_luna, uniform_inputs
+from ..luna import checked_luna, uniform_inputs
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["luna_attention_vjp", "luna_call_vjp"]
@@ -46,10 +46,11 @@ def luna_attention_vjp(q, k, v, do, /, *, p=None, scale=None, causal=False, key_
     return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}
 
 
-def luna_call_vjp(q, k, v, do, /, *, num_packed=_UNIFORM_L, seed=0, **options):
-    """The uniform call's backward: ``P`` (and ``W_K`` when ``dv != d`` and none is
-    given) drawn as the forward draws them; no cotangent for what was drawn."""
-    p, opts = uniform_inputs(q, k, v, num_packed, seed, options)
+def luna_call_vjp(q, k, v, do, /, **options):
+    """The uniform call's backward (options ``num_packed``, ``seed`` and those of
+    :func:`~arrayattn.luna_attention` but ``p``): ``P`` (and ``W_K`` when ``dv != d`` and
+    none is given) drawn as the forward draws them; no cotangent for what was drawn."""
+    p, opts = uniform_inputs(q, k, v, **options)
     grads = luna_attention_vjp(q, k, v, do, p=p, **opts)
     del grads["p"]
     if options.get("unpack_key_proj") is None:

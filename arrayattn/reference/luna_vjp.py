@@ -49,7 +49,7 @@ def luna_attention_vjp(q, k, v, p, do, *, scale: float, key_mask=None,
     packed, _ = attention(p, k0, v0, pack)                            # P' (recomputed)
     keys = packed if wk is None else packed @ wk                      # K_u = P' W_K
     values = packed if wv is None else packed @ wv                    # V_u = P' W_V
-    g = attention_vjp(q, keys, values, do, Logits(scale=scale))       # unpack: dQ, dK_u, dV_u
+    g = attention_vjp(q, keys, values, do, Logits(scale=scale))       # unpack
     dpacked = ((g["k"] if wk is None else g["k"] @ xp.matrix_transpose(wk))
                + (g["v"] if wv is None else g["v"] @ xp.matrix_transpose(wv)))
     h = attention_vjp(p, k0, v0, dpacked, pack)                       # pack: dP, dK, dV
