@@ -16,8 +16,10 @@ from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import exact as _exact
 from . import nystrom as _nystrom
+from . import linformer as _linformer, luna as _luna
 from .nystrom import pinv_vjp
 from .. import exact, nystrom
+from .. import linformer, luna
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -29,6 +31,10 @@ TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
     nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
     nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
+    linformer.linformer_attention: _linformer.linformer_attention_vjp,
+    "linformer": _linformer.linformer_call_vjp,        # host e/f moved to q's library
+    luna.luna_attention: _luna.luna_attention_vjp,    # p passed as p=
+    "luna": _luna.luna_call_vjp,                      # p (and W_K) drawn from seed
 }
 
 
@@ -77,7 +83,8 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
         options = {**rec.defaults, **options}
         if rec.prepare is not None:
             options = rec.prepare(q, options)
-    _check_cotangent(q, k, v, do)
+    _check_cotangent(q, k, v, do, *(adapter.output(options) if hasattr(adapter, "output")
+                                    else ({}, None)))
     grouped = group_heads(q, k, v, options) if hasattr(q, "shape") else None
     if grouped is None:
         grads = adapter(q, k, v, do, **options)
@@ -103,7 +110,9 @@ def has_backward(variant) -> bool:
     return _resolve(variant)[2] is not None
 
 
-def _check_cotangent(q, k, v, do):
+def _check_cotangent(q, k, v, do, extra, dv):
+    """``do`` must have the output's shape; ``extra``: other arrays (by name) whose batch
+    axes broadcast into the output, ``dv``: its last axis when it is not ``v``'s."""
     check_array("do", do)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x, min_ndim=2)
@@ -111,12 +120,16 @@ def _check_cotangent(q, k, v, do):
     check_same_array_kind(xp, "q", q, "do", do)
     if not xp.isdtype(do.dtype, "real floating"):
         raise TypeError(f"do must have a real floating dtype; got {do.dtype}")
-    lead = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2])}
+    lead = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2]),
+            **{name: tuple(x.shape[:-2]) for name, x in extra.items()
+               if getattr(x, "ndim", 0) >= 2}}
     hq, hk = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 and k.ndim >= 3 else (0, 0)
     if hk and hq != hk and hk != 1 and hq % hk == 0:       # grouped-query heads
         lead["k"] = lead["v"] = (*lead["k"][:-1], 1)
+        lead.update({name: (*x[:-1], 1) for name, x in lead.items()     # per key head
+                     if name not in ("q", "k", "v") and x and x[-1] == hk})
     batch = broadcast_batch(list(lead.items()))
-    expected = (*batch, q.shape[-2], v.shape[-1])
+    expected = (*batch, q.shape[-2], v.shape[-1] if dv is None else dv)
     if tuple(do.shape) != expected:
         raise ValueError(f"do must have the output's shape {expected}; got shape "
                          f"{tuple(do.shape)}")

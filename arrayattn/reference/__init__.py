@@ -23,6 +23,9 @@ from .nystrom import *  # noqa: F401,F403
 from .nystrom_vjp import *  # noqa: F401,F403
 from .linformer import *  # noqa: F401,F403
 from .luna import *  # noqa: F401,F403
+from . import linformer_vjp, luna_vjp
+from .linformer_vjp import *  # noqa: F401,F403
+from .luna_vjp import *  # noqa: F401,F403
 from .sparse import *  # noqa: F401,F403
 from .pooling import *  # noqa: F401,F403
 from .lsh import *  # noqa: F401,F403
@@ -40,6 +43,8 @@ __all__ = [
     *nystrom_vjp.__all__,
     *linformer.__all__,
     *luna.__all__,
+    *linformer_vjp.__all__,
+    *luna_vjp.__all__,
     *sparse.__all__,
     *pooling.__all__,
     *lsh.__all__,
