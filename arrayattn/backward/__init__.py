@@ -14,10 +14,11 @@ from .._heads import group_heads
 from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
+from . import delta as _delta
 from . import exact as _exact
 from . import nystrom as _nystrom
 from .nystrom import pinv_vjp
-from .. import exact, nystrom
+from .. import exact, gated, nystrom
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -29,6 +30,10 @@ TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
     nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
     nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
+    gated.delta_attention: _delta.delta_attention_vjp,
+    gated.gated_delta_attention: _delta.gated_delta_attention_vjp,
+    "deltanet": _delta.deltanet_vjp,                              # beta drawn from seed
+    "gated_deltanet": _delta.gated_deltanet_vjp,                  # beta, g drawn from seed
 }
 
 
