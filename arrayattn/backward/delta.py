@@ -13,57 +13,40 @@ are constants and get no cotangent.
 """
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
 from .. import reference
 from .._engine import entry
-from .._validate import (check_choice, check_flag, check_key_mask, check_positive_int,
-                         check_qkv, check_seed)
+from .._validate import check_flag, check_qkv, check_seed
 from .._xp import xp_from_host
-from ..gated import METHODS, _check_gate, _check_state
+from ..gated import checked_gated
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["delta_attention_vjp", "gated_delta_attention_vjp", "deltanet_vjp",
            "gated_deltanet_vjp"]
 
 
-def _checked(q, k, v, *, causal, key_mask, method, chunk_size, scale, return_state):
-    """The option checks of the forward (``arrayattn.gated._run``), same messages."""
-    p = check_qkv(q, k, v)
-    if not check_flag("causal", causal):
-        raise ValueError("gated and delta-rule attention is causal (a recurrence over the "
-                         "tokens); causal=False is not defined")
-    if p.n != p.s:
-        raise ValueError(f"gated and delta-rule attention needs n == s (self-attention "
-                         f"over one sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    check_key_mask(p, key_mask, q)
-    method = check_choice("method", method, METHODS)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    check_flag("return_state", return_state)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(
-            scale, numbers.Real) or not np.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None; got {scale!r}")
-    return p, method, chunk_size
-
-
 def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, chunk_size,
-               scale, initial_state, return_state, args):
-    """Gradients of the forward ``_run(q, k, v, g, beta, ...)`` for the arguments in
-    ``args`` (name -> the caller's array), each summed to its shape."""
-    p, method, chunk_size = _checked(q, k, v, causal=causal, key_mask=key_mask,
-                                     method=method, chunk_size=chunk_size, scale=scale,
-                                     return_state=return_state)
+               scale, initial_state, return_state):
+    """Gradients of the forward ``gated._run(q, k, v, g, beta, ...)`` for the arguments
+    the call received (``g=None``: DeltaNet), each summed to its shape."""
+    gates = (("beta", beta, False),) + ((("g", g, False),) if g is not None else ())
+    p, method, chunk_size, _, s0, checked = checked_gated(
+        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
+        scale=scale, initial_state=initial_state, return_state=return_state, gates=gates)
     normalize_qk = check_flag("normalize_qk", normalize_qk)
     xp, wd = p.xp, p.work_dtype
-    s0 = _check_state(p, initial_state, q)
+    args = {"q": q, "k": k, "v": v, **{name: x for name, x, _ in gates}}
+    if initial_state is not None:
+        args["initial_state"] = initial_state
+    wbeta = checked[0][..., 0]
+    wg = checked[1] if g is not None else xp.zeros((p.n, 1), dtype=wd, device=p.device)
     full = (*p.batch, p.n)
     wq, wk = (xp.broadcast_to(xp.astype(x, wd, copy=False), (*full, p.d)) for x in (q, k))
     wv = xp.broadcast_to(xp.astype(v, wd, copy=False), (*full, p.dv))
     wdo = xp.astype(do, wd, copy=False)
-    beta = xp.broadcast_to(beta, full)
-    g = xp.broadcast_to(g, (*full, 1))
+    beta = xp.broadcast_to(wbeta, full)
+    g = xp.broadcast_to(wg, (*full, 1))
     valid = g <= 0.0                                    # a gate outside (0, 1]: NaN
     g = xp.where(valid, g, xp.nan)
     if key_mask is not None:       # select masked tokens out before any arithmetic
@@ -106,15 +89,9 @@ def delta_attention_vjp(q, k, v, do, /, *, beta, normalize_qk=False, causal=True
     """``{"q", "k", "v", "beta"[, "initial_state"]}`` of
     :func:`~arrayattn.delta_attention` (of its output; ``return_state`` is accepted and
     the final state gets no cotangent)."""
-    p = check_qkv(q, k, v)
-    wbeta = _check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
-    g = p.xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device)
-    args = {"q": q, "k": k, "v": v, "beta": beta}
-    if initial_state is not None:
-        args["initial_state"] = initial_state
-    return _delta_vjp(q, k, v, do, wbeta, g, normalize_qk=normalize_qk, causal=causal,
+    return _delta_vjp(q, k, v, do, beta, None, normalize_qk=normalize_qk, causal=causal,
                       key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
-                      initial_state=initial_state, return_state=return_state, args=args)
+                      initial_state=initial_state, return_state=return_state)
 
 
 def gated_delta_attention_vjp(q, k, v, do, /, *, beta, g, normalize_qk=False, causal=True,
@@ -124,15 +101,9 @@ def gated_delta_attention_vjp(q, k, v, do, /, *, beta, g, normalize_qk=False, ca
     :func:`~arrayattn.gated_delta_attention` (of its output; ``return_state`` is
     accepted and the final state gets no cotangent).  ``dg`` is the cotangent of the log
     decays; at a gate of 0 (``g = -inf``) it is 0."""
-    p = check_qkv(q, k, v)
-    wbeta = _check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
-    wg = _check_gate(p, "g", g, q, per_dim=False)
-    args = {"q": q, "k": k, "v": v, "beta": beta, "g": g}
-    if initial_state is not None:
-        args["initial_state"] = initial_state
-    return _delta_vjp(q, k, v, do, wbeta, wg, normalize_qk=normalize_qk, causal=causal,
+    return _delta_vjp(q, k, v, do, beta, g, normalize_qk=normalize_qk, causal=causal,
                       key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
-                      initial_state=initial_state, return_state=return_state, args=args)
+                      initial_state=initial_state, return_state=return_state)
 
 
 # The uniform call's draws, exactly as arrayattn.gated._delta_call / _gated_delta_call

@@ -190,7 +190,7 @@ def delta_chunked_vjp(q, k, v, beta, g, s0, do, chunk_size: int):
     gam, gamma, e, a, linv = _chunk_constants(k, beta, g, c)
     qc, kc, vc, bc, doc = (in_chunks(x, c) for x in (q, k, v, beta[..., None], do))
     strict = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(q)), k=-1)
-    last = xp.arange(c, device=device(q))[:, None] == c - 1          # (c, 1)
+    last = xp.eye(c, 1, k=1 - c, dtype=xp.bool, device=device(q))   # (c, 1): t = c
 
     def enter(s, k_i, v_i, b_i, gamma_i, e_i, linv_i):
         u = linv_i @ (b_i * (v_i - (k_i * gamma_i) @ s))
