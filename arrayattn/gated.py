@@ -34,7 +34,8 @@ from ._xp import xp_from_host
 from .registry import Variant, register
 
 __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
-           "gated_delta_attention", "gated_attention_step", "retention_gammas"]
+           "gated_delta_attention", "gated_attention_step", "retention_gammas",
+           "checked_gated"]
 
 METHODS = ("chunked", "recurrent")
 
@@ -88,10 +89,12 @@ def _check_state(p: Problem, state, q):
                          f"to the batch {p.batch}") from exc
 
 
-def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
-         initial_state, return_state, normalize_qk=False, per_dim=False):
-    """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
+def checked_gated(q, k, v, *, causal, key_mask, method, chunk_size, scale, initial_state,
+                  return_state, gates=()):
+    """The forward's checks (its backward's too): ``(p, method, chunk_size, return_state,
+    S_0, [gate ...])``, each of ``gates = ((name, array, per_dim), ...)`` checked first."""
     p = check_qkv(q, k, v)
+    gates = [_check_gate(p, name, x, q, per_dim=per_dim) for name, x, per_dim in gates]
     if not check_flag("causal", causal):
         raise ValueError("gated and delta-rule attention is causal (a recurrence over the "
                          "tokens); causal=False is not defined")
@@ -105,8 +108,16 @@ def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
     if scale is not None and (isinstance(scale, bool) or not isinstance(
             scale, numbers.Real) or not np.isfinite(scale)):
         raise ValueError(f"scale must be a finite number or None; got {scale!r}")
+    return p, method, chunk_size, return_state, _check_state(p, initial_state, q), gates
+
+
+def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
+         initial_state, return_state, normalize_qk=False, per_dim=False):
+    """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
+    p, method, chunk_size, return_state, s0, _ = checked_gated(
+        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
+        scale=scale, initial_state=initial_state, return_state=return_state)
     xp, wd = p.xp, p.work_dtype
-    s0 = _check_state(p, initial_state, q)
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
     if normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
         wq, wk = (x / xp.where(n == 0, 1.0, n) for x, n in (

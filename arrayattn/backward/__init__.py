@@ -14,12 +14,16 @@ from .._heads import group_heads
 from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
+from . import delta as _delta
 from . import exact as _exact
 from . import nystrom as _nystrom
 from . import linformer as _linformer, luna as _luna
 from .nystrom import pinv_vjp
-from .. import exact, nystrom
-from .. import linformer, luna
+from .. import exact
+from .. import gated
+from .. import linformer
+from .. import luna
+from .. import nystrom
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -35,6 +39,10 @@ TABLE = {
     "linformer": _linformer.linformer_call_vjp,        # host e/f moved to q's library
     luna.luna_attention: _luna.luna_attention_vjp,    # p passed as p=
     "luna": _luna.luna_call_vjp,                      # p (and W_K) drawn from seed
+    gated.delta_attention: _delta.delta_attention_vjp,
+    gated.gated_delta_attention: _delta.gated_delta_attention_vjp,
+    "deltanet": _delta.deltanet_vjp,                              # beta drawn from seed
+    "gated_deltanet": _delta.gated_deltanet_vjp,                  # beta, g drawn from seed
 }
 
 

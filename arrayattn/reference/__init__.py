@@ -10,7 +10,26 @@ The forms take validated inputs in their working dtype (the public functions of
 :mod:`arrayattn` validate, choose the implementation and cast back); each is a plain
 function that can be read -- and called -- on its own.
 """
-from . import finite, masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, pooling, lsh
+from . import finite
+from . import masks
+from . import scan
+from . import exact
+from . import exact_vjp
+from . import kernel
+from . import performer
+from . import rfa
+from . import gated
+from . import delta_vjp
+from . import nystrom
+from . import nystrom_vjp
+from . import linformer
+from . import linformer_vjp
+from . import luna
+from . import luna_vjp
+from . import sparse
+from . import pooling
+from . import lsh
+
 from .finite import *  # noqa: F401,F403
 from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
@@ -19,12 +38,12 @@ from .kernel import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
+from .delta_vjp import *  # noqa: F401,F403
 from .nystrom import *  # noqa: F401,F403
 from .nystrom_vjp import *  # noqa: F401,F403
 from .linformer import *  # noqa: F401,F403
-from .luna import *  # noqa: F401,F403
-from . import linformer_vjp, luna_vjp
 from .linformer_vjp import *  # noqa: F401,F403
+from .luna import *  # noqa: F401,F403
 from .luna_vjp import *  # noqa: F401,F403
 from .sparse import *  # noqa: F401,F403
 from .pooling import *  # noqa: F401,F403
@@ -39,11 +58,12 @@ __all__ = [
     *performer.__all__,
     *rfa.__all__,
     *gated.__all__,
+    *delta_vjp.__all__,
     *nystrom.__all__,
     *nystrom_vjp.__all__,
     *linformer.__all__,
-    *luna.__all__,
     *linformer_vjp.__all__,
+    *luna.__all__,
     *luna_vjp.__all__,
     *sparse.__all__,
     *pooling.__all__,
