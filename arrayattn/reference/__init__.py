@@ -10,11 +10,12 @@ The forms take validated inputs in their working dtype (the public functions of
 :mod:`arrayattn` validate, choose the implementation and cast back); each is a plain
 function that can be read -- and called -- on its own.
 """
-from . import masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, pooling, lsh
+from . import masks, exact, exact_vjp, scan, kernel, kernel_vjp, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, pooling, lsh
 from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
+from .kernel_vjp import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
@@ -31,6 +32,7 @@ __all__ = [
     *exact.__all__,
     *exact_vjp.__all__,
     *kernel.__all__,
+    *kernel_vjp.__all__,
     *performer.__all__,
     *rfa.__all__,
     *gated.__all__,
