@@ -15,9 +15,10 @@ from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import exact as _exact
+from . import kernel as _kernel
 from . import nystrom as _nystrom
 from .nystrom import pinv_vjp
-from .. import exact, nystrom
+from .. import exact, kernel, nystrom
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -29,6 +30,9 @@ TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
     nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
     nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
+    kernel.linear_attention: _kernel.linear_attention_vjp,        # linear_elu, _relu, ...
+    kernel.feature_attention: _kernel.feature_attention_vjp,
+    kernel.efficient_attention: _kernel.efficient_attention_vjp,  # efficient
 }
 
 
@@ -86,7 +90,8 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
         xp = xp_namespace(q, do)
         dog = xp.reshape(do, (*qg.shape[:-2], *do.shape[-2:]))
         grads = adapter(qg, kg, vg, dog, **opts)
-    return _like_arguments(grads, {"q": q, "k": k, "v": v, **options})
+    names = getattr(adapter, "argument_names", ("q", "k", "v"))   # e.g. phi_q, phi_k, v
+    return _like_arguments(grads, {**dict(zip(names, (q, k, v))), **options})
 
 
 def _resolve(variant):
@@ -127,6 +132,9 @@ def _like_arguments(grads: dict, arguments: dict) -> dict:
     out = {}
     for name, g in grads.items():
         arg = arguments[name]
+        if not hasattr(g, "shape"):      # a structured cotangent (LinearAttentionState)
+            out[name] = g
+            continue
         xp = xp_namespace(arg, g)
         if tuple(g.shape) != tuple(arg.shape):
             g = xp.reshape(g, tuple(arg.shape))
