@@ -62,13 +62,8 @@ def _with_backward(records):
 #: fails when this list is out of date in either direction).
 PENDING: set[str] = {
     'bigbird',
-    'efficient',
     'fixed',
     'gla',
-    'linear_cosine',
-    'linear_elu',
-    'linear_relu',
-    'linear_taylor',
     'local',
     'longformer',
     'lsh',

@@ -16,6 +16,7 @@ from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import delta as _delta
 from . import exact as _exact
+from . import kernel as _kernel
 from . import nystrom as _nystrom
 from . import linformer as _linformer, luna as _luna
 from .nystrom import pinv_vjp
@@ -24,6 +25,7 @@ from .. import gated
 from .. import linformer
 from .. import luna
 from .. import nystrom
+from .. import kernel
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -43,6 +45,9 @@ TABLE = {
     gated.gated_delta_attention: _delta.gated_delta_attention_vjp,
     "deltanet": _delta.deltanet_vjp,                              # beta drawn from seed
     "gated_deltanet": _delta.gated_deltanet_vjp,                  # beta, g drawn from seed
+    kernel.linear_attention: _kernel.linear_attention_vjp,        # linear_elu, _relu, ...
+    kernel.feature_attention: _kernel.feature_attention_vjp,
+    kernel.efficient_attention: _kernel.efficient_attention_vjp,  # efficient
 }
 
 
@@ -101,7 +106,8 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
         xp = xp_namespace(q, do)
         dog = xp.reshape(do, (*qg.shape[:-2], *do.shape[-2:]))
         grads = adapter(qg, kg, vg, dog, **opts)
-    return _like_arguments(grads, {"q": q, "k": k, "v": v, **options})
+    names = getattr(adapter, "argument_names", ("q", "k", "v"))   # e.g. phi_q, phi_k, v
+    return _like_arguments(grads, {**dict(zip(names, (q, k, v))), **options})
 
 
 def _resolve(variant):
@@ -148,6 +154,9 @@ def _like_arguments(grads: dict, arguments: dict) -> dict:
     out = {}
     for name, g in grads.items():
         arg = arguments[name]
+        if not hasattr(g, "shape"):      # a structured cotangent (LinearAttentionState)
+            out[name] = g
+            continue
         xp = xp_namespace(arg, g)
         if tuple(g.shape) != tuple(arg.shape):
             g = xp.reshape(g, tuple(arg.shape))

@@ -16,6 +16,7 @@ from . import scan
 from . import exact
 from . import exact_vjp
 from . import kernel
+from . import kernel_vjp
 from . import performer
 from . import rfa
 from . import gated
@@ -35,6 +36,8 @@ from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
+from .kernel_vjp import *  # noqa: F401,F403
+from .kernel_vjp import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
@@ -55,6 +58,8 @@ __all__ = [
     *exact.__all__,
     *exact_vjp.__all__,
     *kernel.__all__,
+    *kernel_vjp.__all__,
+    *kernel_vjp.__all__,
     *performer.__all__,
     *rfa.__all__,
     *gated.__all__,
