@@ -305,10 +305,6 @@ def test_causal_vjp_nan_in_a_later_chunk_never_reaches_earlier_rows(rng):
     np.testing.assert_array_equal(got["q"][..., :16, :], base["q"][..., :16, :])
 
 
-@pytest.mark.xfail(strict=True, reason="the forward leaks too: inside a chunk the masked "
-                   "c x c product tril(phi_Q phi_K^T) V multiplies the zeros above the "
-                   "diagonal by the later values (0 * nan = nan); the recurrent forward "
-                   "does not leak, but every method's backward is the chunked one")
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
 def test_causal_vjp_nan_inside_the_chunk_never_reaches_earlier_rows(rng):
     q, k, v, do, _ = _masked_qkv(rng, n=20, s=20, masked=False)

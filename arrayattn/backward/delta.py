@@ -54,6 +54,10 @@ def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, 
         wk, wv = reference.zero_masked_keys(km, wk, wv)
         g = xp.where(km[..., None], g, 0.0)
         beta = xp.where(km, beta, 0.0)
+    # the forward's rule (gated._run): a bad token is dropped, the rows from it on are NaN
+    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1) | ~xp.isfinite(beta)
+    wk, wv = reference.drop_nonfinite(bad, wk, wv)
+    g, beta = xp.where(bad[..., None], 0.0, g), xp.where(bad, 0.0, beta)
     rq, rk = wq, wk                                     # before normalisation
     if normalize_qk:
         wq, wk = (x / xp.where(r == 0, 1.0, r) for x, r in (
@@ -80,6 +84,7 @@ def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, 
         dg = xp.where(km[..., None], dg, 0.0)
         dbeta = xp.where(km, dbeta, 0.0)
     out = {"q": dq, "k": dk, "v": dv, "beta": dbeta, "g": dg[..., 0], "initial_state": ds0}
+    out = reference.poison_prefix_grads(out, bad, p.n)
     return {name: sum_to_shape(out[name], x.shape) for name, x in args.items()}
 
 

@@ -29,6 +29,16 @@ def _user_map_vjp(fm, vjp, which, ref):
     return checked
 
 
+def _drop_bad(causal, key_mask, k, v):
+    """The forward's rule (``kernel._kernel_dispatch``): causal, a non-finite key or value
+    is dropped and the rows that see it become NaN; masked keys are not faults."""
+    if not causal:
+        return k, v, None
+    k, v = reference.zero_masked_keys(key_mask, k, v)
+    bad = reference.nonfinite_rows(k, v)
+    return (*reference.drop_nonfinite(bad, k, v), bad)
+
+
 def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
                          key_mask=None, eps=None, method=None, chunk_size=64,
                          return_state=False, normalize=True):
@@ -55,9 +65,12 @@ def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
     xp = p.xp
     wq, wk, wv, wdo = (xp.astype(x, p.work_dtype, copy=False) for x in (q, k, v, do))
     with entry(xp):
+        wk, wv, bad = _drop_bad(causal, key_mask, wk, wv)
         grads = reference.linear_attention_vjp(
             wq, wk, wv, wdo, feature_map=fm, causal=causal, key_mask=key_mask,
             method=method, chunk_size=chunk_size, eps=eps, normalize=normalize)
+        if bad is not None:
+            grads = reference.poison_prefix_grads(grads, bad, p.n)
     args = {"q": q, "k": k, "v": v}
     return {name: sum_to_shape(g, args[name].shape) for name, g in grads.items()}
 
@@ -81,9 +94,12 @@ def feature_attention_vjp(phi_q, phi_k, v, do, /, *, causal=False, key_mask=None
     wq, wk, wv, wdo = (xp.astype(x, p.work_dtype, copy=False)
                        for x in (phi_q, phi_k, v, do))
     with entry(xp):
+        wk, wv, bad = _drop_bad(causal, key_mask, wk, wv)
         grads = reference.kernel_attention_vjp(
             wq, wk, wv, wdo, causal=causal, key_mask=key_mask, method=method,
             chunk_size=chunk_size, eps=eps, state=sz0, normalize=True)
+        if bad is not None:
+            grads = reference.poison_prefix_grads(grads, bad, p.n, queries=("phi_q",))
     args = {"phi_q": phi_q, "phi_k": phi_k, "v": v}
     out = {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}
     if state is not None:

@@ -37,7 +37,6 @@ from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
 from .kernel_vjp import *  # noqa: F401,F403
-from .kernel_vjp import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
@@ -58,7 +57,6 @@ __all__ = [
     *exact.__all__,
     *exact_vjp.__all__,
     *kernel.__all__,
-    *kernel_vjp.__all__,
     *kernel_vjp.__all__,
     *performer.__all__,
     *rfa.__all__,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 __all__ = ["nonfinite_rows", "drop_nonfinite", "seen_by_prefix", "poison_rows",
-           "poisoned_logits"]
+           "poisoned_logits", "poison_prefix_grads"]
 
 
 def nonfinite_rows(*arrays):
@@ -68,3 +68,20 @@ def poisoned_logits(x, bad):
     backward), and the bad key itself has been zeroed."""
     xp = array_namespace(x, bad)
     return xp.where(bad[..., None, :], xp.nan, x)
+
+
+def poison_prefix_grads(grads: dict, bad, n: int, *, queries=("q",)) -> dict:
+    """The gradients of a causal call whose tokens ``bad (..., s)`` were dropped, as
+    autodiff of the NaN rows gives them: a query-side gradient ``(..., n, c)`` NaN in the
+    rows that see a bad token; every other gradient NaN in full for a batch element that
+    has one (the last row sees every key, and it is NaN).  Earlier rows keep theirs."""
+    xp = array_namespace(bad)
+    seen, anywhere = seen_by_prefix(bad, n), xp.any(bad, axis=-1)
+    out = {}
+    for name, g in grads.items():
+        if name in queries:
+            out[name] = poison_rows(g, seen)
+        else:
+            flag = xp.reshape(anywhere, (*anywhere.shape, *(1,) * (g.ndim - anywhere.ndim)))
+            out[name] = xp.where(flag, xp.nan, g)
+    return out
