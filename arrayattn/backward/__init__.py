@@ -17,8 +17,9 @@ from ..registry import Variant, get_variant
 from . import exact as _exact
 from . import kernel as _kernel
 from . import nystrom as _nystrom
+from . import performer as _performer
 from .nystrom import pinv_vjp
-from .. import exact, kernel, nystrom
+from .. import exact, kernel, nystrom, performer
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -33,6 +34,8 @@ TABLE = {
     kernel.linear_attention: _kernel.linear_attention_vjp,        # linear_elu, _relu, ...
     kernel.feature_attention: _kernel.feature_attention_vjp,
     kernel.efficient_attention: _kernel.efficient_attention_vjp,  # efficient
+    performer.performer_attention: _performer.performer_attention_vjp,
+    performer._uniform_call: _performer.uniform_call_vjp,        # performer_* records
 }
 
 

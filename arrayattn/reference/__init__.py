@@ -17,6 +17,8 @@ from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
 from .kernel_vjp import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
+from . import performer_vjp
+from .performer_vjp import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
 from .nystrom import *  # noqa: F401,F403
@@ -34,6 +36,7 @@ __all__ = [
     *kernel.__all__,
     *kernel_vjp.__all__,
     *performer.__all__,
+    *performer_vjp.__all__,
     *rfa.__all__,
     *gated.__all__,
     *nystrom.__all__,
