@@ -20,6 +20,8 @@ from .performer import *  # noqa: F401,F403
 from . import performer_vjp
 from .performer_vjp import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
+from . import rfa_vjp
+from .rfa_vjp import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
 from .nystrom import *  # noqa: F401,F403
 from .nystrom_vjp import *  # noqa: F401,F403
@@ -38,6 +40,7 @@ __all__ = [
     *performer.__all__,
     *performer_vjp.__all__,
     *rfa.__all__,
+    *rfa_vjp.__all__,
     *gated.__all__,
     *nystrom.__all__,
     *nystrom_vjp.__all__,
