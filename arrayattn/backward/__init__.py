@@ -18,8 +18,9 @@ from . import exact as _exact
 from . import kernel as _kernel
 from . import nystrom as _nystrom
 from . import performer as _performer
+from . import rfa as _rfa
 from .nystrom import pinv_vjp
-from .. import exact, kernel, nystrom, performer
+from .. import exact, kernel, nystrom, performer, rfa
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -36,6 +37,7 @@ TABLE = {
     kernel.efficient_attention: _kernel.efficient_attention_vjp,  # efficient
     performer.performer_attention: _performer.performer_attention_vjp,
     performer._uniform_call: _performer.uniform_call_vjp,        # performer_* records
+    rfa.rfa_attention: _rfa.rfa_attention_vjp,                    # rfa
 }
 
 
