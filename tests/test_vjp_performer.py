@@ -147,11 +147,11 @@ def test_favorpp_data_dependent_a_is_differentiated(rng):
 
 def test_performer_vjp_callable_kind_by_central_difference(rng):
     """A caller's f(t) is differentiated by a central difference: error ~eps^(2/3)
-    (3.7e-11) per slope, amplified by at most the conditioning of the ratio."""
+    (3.7e-11) per slope, times the conditioning of the ratio (measured 6e-12)."""
     q, k, v, do, opts = _performer_case("relu", True, True, rng, d=8, norm=3.0)
     opts["kind"] = lambda t: t * t + 0.5
     grads = arrayattn.vjp(performer_attention, q, k, v, do, **opts)
-    _check(grads, _torch_grads(performer_attention, q, k, v, do, opts), rtol=1e-8)
+    _check(grads, _torch_grads(performer_attention, q, k, v, do, opts), rtol=1e-9)
 
 
 def test_performer_vjp_uniform_call_replays_omega(rng):
