@@ -17,7 +17,7 @@ __all__ = ["grouped_query_heads", "group_heads"]
 #: Array options with batch dimensions, and how many trailing axes are not batch axes
 #: (``gamma``: retention's decays, one per head on its last axis).
 _BATCHED_OPTIONS = {"key_mask": 1, "query_mask": 1, "mask": 2, "bias": 2, "gamma": 0,
-                    "dropout_mask": 2, "alibi_slopes": 0, "conv_kernel": 1}
+                    "dropout_mask": 2, "alibi_slopes": 0, "conv_kernel": 1, "gate": 1}
 #: Per-head options whose head axis is there without any batch axis before it
 #: (Nyströmformer's ``conv_kernel (H, K)``, one kernel per head).
 _PER_HEAD = {"conv_kernel"}

@@ -471,3 +471,25 @@ def test_rfa_vjp_rejects_what_the_forward_rejects(rng):
         arrayattn.vjp(rfa_attention, q, k, v, do, sigma=0.0)
     with pytest.raises(ValueError, match="method"):
         arrayattn.vjp(rfa_attention, q, k, v, do, causal=True, gate=0.5, method="cumsum")
+
+
+@pytest.mark.parametrize("gate_heads", [4, 2, 1])
+def test_gated_rfa_vjp_grouped_heads(gate_heads, rng):
+    """Grouped-query heads with a gate per query head, per key head or shared: equal to
+    repeating k, v (and the gate) over each group; the gate's cotangent summed likewise."""
+    q, _, _ = make_qkv(rng, batch=(2, 4), n=10, s=10, d=6)
+    _, k, v = make_qkv(rng, batch=(2, 2), n=10, s=10, d=6)
+    do = rng.standard_normal((2, 4, 10, 6))
+    g = rng.uniform(0.5, 1.0, (2, gate_heads, 10))
+    g_full = np.repeat(g, 2, axis=1) if gate_heads == 2 else g
+    opts = {"num_features": 16, "causal": True, "chunk_size": 4}
+    grads = arrayattn.vjp("rfa", q, k, v, do, gate=g, **opts)
+    rep = {"k": np.repeat(k, 2, axis=1), "v": np.repeat(v, 2, axis=1)}
+    full = arrayattn.vjp("rfa", q, rep["k"], rep["v"], do, gate=g_full, **opts)
+    np.testing.assert_allclose(grads["q"], full["q"], rtol=1e-12, atol=1e-13)
+    for key in ("k", "v"):
+        np.testing.assert_allclose(grads[key], full[key].reshape(2, 2, 2, 10, 6).sum(2),
+                                   rtol=1e-11, atol=1e-12)
+    expected = full["gate"].reshape(2, 2, 2, 10).sum(2) if gate_heads == 2 else full["gate"]
+    assert grads["gate"].shape == g.shape
+    np.testing.assert_allclose(grads["gate"], expected, rtol=1e-11, atol=1e-12)
