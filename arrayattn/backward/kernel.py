@@ -11,7 +11,7 @@ from .. import reference
 from .._engine import entry
 from .._validate import check_flag, check_key_mask, check_no_causal, check_qkv
 from ..feature_maps import FEATURE_MAPS, get_feature_map
-from ..kernel import LinearAttentionState, _check_options, _check_state, _checked_maps
+from ..kernel import LinearAttentionState, check_kernel_options, check_state, checked_maps
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["linear_attention_vjp", "feature_attention_vjp", "efficient_attention_vjp"]
@@ -40,7 +40,7 @@ def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
     causal = check_flag("causal", causal)
     check_flag("return_state", return_state)
     normalize = check_flag("normalize", normalize)
-    chunk_size, method, eps = _check_options(p, q, key_mask, chunk_size, method, eps)
+    chunk_size, method, eps = check_kernel_options(p, q, key_mask, chunk_size, method, eps)
     fm = get_feature_map(feature_map)
     if fm.query_vjp is None or fm.key_vjp is None:
         raise NotImplementedError(
@@ -48,7 +48,7 @@ def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
             f"{fm.name!r}: pass arrayattn.feature_maps.FeatureMap(name, phi_q, phi_k, "
             f"query_vjp=..., key_vjp=...) with (x, dphi) -> dx for each map")
     if not (fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]):
-        qmap, kmap = _checked_maps(fm, q)
+        qmap, kmap = checked_maps(fm, q)
         fm = replace(fm, query=qmap, key=kmap,
                      query_vjp=_user_map_vjp(fm, fm.query_vjp, "query", q),
                      key_vjp=_user_map_vjp(fm, fm.key_vjp, "key", q))
@@ -71,13 +71,15 @@ def feature_attention_vjp(phi_q, phi_k, v, do, /, *, causal=False, key_mask=None
     p = check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
     causal = check_flag("causal", causal)
     check_flag("return_state", return_state)
-    chunk_size, method, eps = _check_options(p, phi_q, key_mask, chunk_size, method, eps)
+    chunk_size, method, eps = check_kernel_options(p, phi_q, key_mask, chunk_size, method,
+                                                   eps)
     xp = p.xp
     sz0 = None
     if state is not None:
-        _check_state(p, state, phi_q, p.d)
+        check_state(p, state, phi_q, p.d)
         sz0 = xp.concat([state.S, state.z[..., None]], axis=-1)
-    wq, wk, wv, wdo = (xp.astype(x, p.work_dtype, copy=False) for x in (phi_q, phi_k, v, do))
+    wq, wk, wv, wdo = (xp.astype(x, p.work_dtype, copy=False)
+                       for x in (phi_q, phi_k, v, do))
     with entry(xp):
         grads = reference.kernel_attention_vjp(
             wq, wk, wv, wdo, causal=causal, key_mask=key_mask, method=method,

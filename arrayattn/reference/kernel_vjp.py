@@ -167,7 +167,7 @@ def kernel_attention_vjp(phi_q, phi_k, v, do, *, causal=False, key_mask=None,
     """
     xp = array_namespace(phi_q, phi_k, v, do)
     shapes = {"phi_q": phi_q.shape, "phi_k": phi_k.shape, "v": v.shape}
-    phi_k, v = zero_masked_keys(key_mask, phi_k, v)    # in neither numerator nor denominator
+    phi_k, v = zero_masked_keys(key_mask, phi_k, v)   # in neither numerator nor denominator
     v1 = xp.concat([v, xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=device(v))],
                    axis=-1)
     sz0 = _t(phi_k[..., :0, :]) @ v1[..., :0, :]                  # the sum over no keys
