@@ -67,7 +67,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .exact_vjp import sum_to_shape
-from .kernel_vjp import _output_cotangent, kernel_attention_vjp
+from .kernel_vjp import kernel_attention_vjp
 from .masks import zero_masked_keys
 from .rfa import random_fourier_features
 from .scan import scan
@@ -94,6 +94,17 @@ def random_fourier_features_vjp(x, omega, dphi, *, sigma: float):
     # d(x / |x|): the radial part removed; a zero row (x / 1) keeps dxh
     radial = xp.where(norm == 0, 0.0, xp.sum(xh * dxh, axis=-1, keepdims=True))
     return (dxh - xh * radial) / safe
+
+
+def _division_cotangent(num, do, eps: float):
+    """``dN = [dO / den, -rowsum(dO O) / den]`` of ``O = N[:, :-1] / N[:, -1]`` (zero
+    where ``|den| <= eps``: that row's output is 0)."""
+    xp = array_namespace(num, do)
+    den = num[..., -1:]
+    ok = xp.abs(den) > eps
+    inv = 1.0 / xp.where(ok, den, 1.0)
+    dden = -xp.sum(do * (num[..., :-1] * inv), axis=-1, keepdims=True) * inv
+    return xp.where(ok, xp.concat([do * inv, dden], axis=-1), 0.0)
 
 
 def _chunks(x, nc: int, c: int, pad: int):
@@ -152,7 +163,7 @@ def gated_rfa_vjp(phi_q, phi_k, v, g, do, *, key_mask=None, chunk_size=64, eps=0
                     (whole, upd), axis=-3)
     a = qc @ _t(kc)
     num = into[..., None] * (qc @ entry) + (a * decay) @ vc
-    dn = _output_cotangent(num, dc, eps, True)
+    dn = _division_cotangent(num, dc, eps)
     # cotangents of the states leaving each chunk, V_b = dS_(b+1) (reverse scan)
     push = _t(qc * into[..., None]) @ dn
     _, leave = scan(lambda u, gb, pb: (pb + gb * u, u), _zero_state(push, whole),
