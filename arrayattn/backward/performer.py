@@ -34,12 +34,12 @@ def performer_attention_vjp(q, k, v, do, /, *, features=None, num_features=None,
         args["gerf_a"] = gerf_a
     wq, wk, wv, wdo = (xp.astype(x, wd, copy=False) for x in (q, k, v, do))
     wk, wv = reference.zero_masked_keys(key_mask, wk, wv)   # padding may hold NaN / inf
-    omega = features.on(xp, dtype=wd, device=p.device)
     a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
-                       work_dtype=wd, device=p.device)
+                       work_dtype=wd, device=p.device) if p.s else None
     if p.s == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
+    omega = features.on(xp, dtype=wd, device=p.device)
     with entry(xp):
         grads = reference.performer_attention_vjp(wq, wk, wv, wdo, omega, kind=kind,
                                                   scale=scale, causal=causal,

@@ -90,8 +90,8 @@ def _key_max(xp, e, keep):
 
 def performer_features_vjp(q, k, omega, phi_q, phi_k, dphi_q, dphi_k, *, kind,
                            scale: float, causal=False, key_mask=None, gerf_a=None):
-    r"""``(dq, dk, dA)``: the cotangents of ``q``, ``k`` (and of FAVOR++'s ``A``, else
-    ``None``) from those of the features ``(phi_q, phi_k)`` of
+    r"""``(dq, dk, dA)``: the cotangents of ``q``, ``k`` (and of FAVOR++'s ``A`` when it
+    is an array, else ``None``) from those of the features ``(phi_q, phi_k)`` of
     :func:`~arrayattn.reference.performer_features`, the stabilisers held constant
     (equations in the module docstring).  ``dA`` has the broadcast batch shape
     ``(..., 1, 1)``."""
@@ -124,10 +124,10 @@ def performer_features_vjp(q, k, omega, phi_q, phi_k, dphi_q, dphi_k, *, kind,
     if keep is not None:
         dk = xp.where(keep, dk, 0.0)
     da = None
-    if kind == "favor++":  # t = B (x W0^T) + A |omega|^2,  dt/dA = -2/B x W0^T + |omega|^2
+    if kind == "favor++" and not isinstance(gerf_a, float):
+        # t = B (x W0^T) + A |omega|^2:  dt/dA = -2/B (x W0^T) + |omega|^2
         w0 = omega * math.sqrt(abs(scale))
-        one = 1 - 4 * gerf_a
-        dbda = -2.0 / (one ** 0.5)                # dB/dA
+        dbda = -2.0 / xp.sqrt(1 - 4 * gerf_a)     # dB/dA
         nrm = xp.sum(omega * omega, axis=-1)       # |omega_f|^2, (m,)
         da = 0.0
         for x, dt in ((qs, dtq), (k, dtk)):
