@@ -289,6 +289,10 @@ def test_performer_vjp_no_keys_and_errors(rng):
     do = rng.standard_normal((1, 5, 4))
     g0 = arrayattn.vjp(performer_attention, q, k[:, :0], v[:, :0], do)
     assert g0["q"].shape == q.shape and not g0["q"].any() and g0["k"].shape == (1, 0, 4)
+    g0 = arrayattn.vjp(performer_attention, q, k[:, :0], v[:, :0], do, kind="favor++")
+    assert not g0["q"].any() and g0["v"].shape == (1, 0, 4)
+    g0 = arrayattn.vjp(rfa_attention, q, k[:, :0], v[:, :0], do, causal=True)
+    assert not g0["q"].any() and g0["k"].shape == (1, 0, 4)
     with pytest.raises(ValueError, match="gerf_a"):
         arrayattn.vjp(performer_attention, q, k, v, do[:, :, :4], kind="favor++",
                       causal=True)
