@@ -19,6 +19,8 @@ from . import exact as _exact
 from . import kernel as _kernel
 from . import nystrom as _nystrom
 from . import linformer as _linformer, luna as _luna
+from . import performer as _performer
+from . import rfa as _rfa
 from .nystrom import pinv_vjp
 from .. import exact
 from .. import gated
@@ -26,6 +28,8 @@ from .. import linformer
 from .. import luna
 from .. import nystrom
 from .. import kernel
+from .. import performer
+from .. import rfa
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -48,6 +52,9 @@ TABLE = {
     kernel.linear_attention: _kernel.linear_attention_vjp,        # linear_elu, _relu, ...
     kernel.feature_attention: _kernel.feature_attention_vjp,
     kernel.efficient_attention: _kernel.efficient_attention_vjp,  # efficient
+    performer.performer_attention: _performer.performer_attention_vjp,
+    performer._uniform_call: _performer.uniform_call_vjp,        # performer_* records
+    rfa.rfa_attention: _rfa.rfa_attention_vjp,                    # rfa
 }
 
 

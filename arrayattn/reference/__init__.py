@@ -18,7 +18,9 @@ from . import exact_vjp
 from . import kernel
 from . import kernel_vjp
 from . import performer
+from . import performer_vjp
 from . import rfa
+from . import rfa_vjp
 from . import gated
 from . import delta_vjp
 from . import nystrom
@@ -38,7 +40,9 @@ from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
 from .kernel_vjp import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
+from .performer_vjp import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
+from .rfa_vjp import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
 from .delta_vjp import *  # noqa: F401,F403
 from .nystrom import *  # noqa: F401,F403
@@ -59,7 +63,9 @@ __all__ = [
     *kernel.__all__,
     *kernel_vjp.__all__,
     *performer.__all__,
+    *performer_vjp.__all__,
     *rfa.__all__,
+    *rfa_vjp.__all__,
     *gated.__all__,
     *delta_vjp.__all__,
     *nystrom.__all__,
