@@ -16,8 +16,9 @@ from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import exact as _exact
 from . import nystrom as _nystrom
+from . import sparse as _sparse
 from .nystrom import pinv_vjp
-from .. import exact, nystrom
+from .. import exact, nystrom, sparse
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -29,6 +30,9 @@ TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
     nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
     nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
+    sparse.sparse_attention: _sparse.sparse_attention_vjp,
+    sparse.local_attention: _sparse.local_attention_vjp,          # local
+    **_sparse.PATTERN_VJPS,              # longformer, bigbird, strided, fixed
 }
 
 
