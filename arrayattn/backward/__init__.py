@@ -16,9 +16,10 @@ from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import exact as _exact
 from . import nystrom as _nystrom
+from . import pooling as _pooling
 from . import sparse as _sparse
 from .nystrom import pinv_vjp
-from .. import exact, nystrom, sparse
+from .. import exact, nystrom, pooling, sparse
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -33,6 +34,7 @@ TABLE = {
     sparse.sparse_attention: _sparse.sparse_attention_vjp,
     sparse.local_attention: _sparse.local_attention_vjp,          # local
     **_sparse.PATTERN_VJPS,              # longformer, bigbird, strided, fixed
+    pooling.pooling_attention: _pooling.pooling_attention_vjp,    # poolingformer
 }
 
 
