@@ -16,12 +16,14 @@ from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import exact as _exact
 from . import nystrom as _nystrom
+from . import lsh as _lsh
 from . import pooling as _pooling
 from . import sparse as _sparse
+from .lsh import lsh_attention_vjp
 from .nystrom import pinv_vjp
 from .. import exact, nystrom, pooling, sparse
 
-__all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
+__all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp", "lsh_attention_vjp"]
 
 #: Public function, or registry name (for a record whose uniform call adapts its inputs,
 #: e.g. draws gates or builds a layout) -> its backward adapter
@@ -35,6 +37,7 @@ TABLE = {
     sparse.local_attention: _sparse.local_attention_vjp,          # local
     **_sparse.PATTERN_VJPS,              # longformer, bigbird, strided, fixed
     pooling.pooling_attention: _pooling.pooling_attention_vjp,    # poolingformer
+    "lsh": _lsh.lsh_uniform_vjp,         # q is the shared qk; lsh_attention_vjp: qk, v
 }
 
 

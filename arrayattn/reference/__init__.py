@@ -10,7 +10,7 @@ The forms take validated inputs in their working dtype (the public functions of
 :mod:`arrayattn` validate, choose the implementation and cast back); each is a plain
 function that can be read -- and called -- on its own.
 """
-from . import masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, sparse_vjp, pooling, pooling_vjp, lsh
+from . import masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, sparse_vjp, pooling, pooling_vjp, lsh, lsh_vjp
 from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
@@ -27,6 +27,7 @@ from .sparse_vjp import *  # noqa: F401,F403
 from .pooling import *  # noqa: F401,F403
 from .pooling_vjp import *  # noqa: F401,F403
 from .lsh import *  # noqa: F401,F403
+from .lsh_vjp import *  # noqa: F401,F403
 
 __all__ = [
     *masks.__all__,
@@ -45,4 +46,5 @@ __all__ = [
     *pooling.__all__,
     *pooling_vjp.__all__,
     *lsh.__all__,
+    *lsh_vjp.__all__,
 ]
