@@ -123,11 +123,12 @@ def lsh_attention_chunked_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_s
             allowed, count = rd.mask(blk)
             lg = Logits(scale=1.0, mask=allowed, bias=None if count is None else
                         -xp.log1p(xp.astype(count, x.dtype)))
-            pz, _, dsr, kj, qi = tile_backward(lg, q_c[:, blk], k_w[:, blk], v_w[:, blk],
-                                               do_c[:, blk], d_c[:, blk], z_c[:, blk], None,
-                                               0, C, 0, 2 * C)
+            do_b = do_c[:, blk, ...]
+            pz, _, dsr, kj, qi = tile_backward(lg, q_c[:, blk, ...], k_w[:, blk, ...],
+                                               v_w[:, blk, ...], do_b, d_c[:, blk, ...],
+                                               z_c[:, blk, ...], None, 0, C, 0, 2 * C)
             parts.append((dsr @ kj, xp.matrix_transpose(dsr) @ qi,
-                          xp.matrix_transpose(pz) @ do_c[:, blk]))
+                          xp.matrix_transpose(pz) @ do_b))
         dq_c, dk_w, dv_w = (xp.concat([p[i] for p in parts], axis=1) if len(parts) > 1
                             else parts[0][i] for i in range(3))
         dq = dq + rd.unsort(dq_c)

@@ -70,10 +70,13 @@ def gathered_attention_dq(q, k, v, do, lse, delta, idx, allowed, bias=None):
     ``k (..., K, b, d)``, ``v (..., K, b, dv)``, over the ``allowed (..., G, b, R b)``
     slots (``bias`` of that shape added): ``(dQ' (..., G, b, d), dS (..., G, b, R b))``,
     ``dQ' = dS K_g`` (``dS`` is the bias's cotangent on the tiles)."""
+    xp = array_namespace(q, k, v, do)
     kc, vc = take_blocks(k, idx), take_blocks(v, idx)
+    tile = (q.shape[-2], kc.shape[-2])             # the mask may come as (G, 1, R b)
+    allowed = xp.broadcast_to(allowed, (*allowed.shape[:-2], *tile))
     lg = Logits(scale=1.0, mask=allowed, bias=bias)
-    _, ds, dsr, kj, _ = tile_backward(lg, q, kc, vc, do, delta, lse, None,
-                                      0, q.shape[-2], 0, kc.shape[-2])
+    _, ds, dsr, kj, _ = tile_backward(lg, q, kc, vc, do, delta, lse, None, 0, tile[0],
+                                      0, tile[1])
     return dsr @ kj, ds
 
 
