@@ -558,8 +558,8 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
                 allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
                                                      idx.shape[1] * b))
             kpos = (idx[:, :, None] * b + np.arange(b)).reshape(idx.shape[0], -1)
-            tile_bias = None if bias is None else tile_bias(xp, bias, rows, kpos, layout, dev)
-            o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tile_bias)
+            tb = None if bias is None else tile_bias(xp, bias, rows, kpos, layout, dev)
+            o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tb)
             acc, lse = (o, l) if acc is None else reference.merge_attention(acc, lse, o, l)
         return acc                                                     # (..., G, b, dv)
 
