@@ -430,3 +430,34 @@ def test_lsh_vjp_errors_and_empty(rng):
         lsh_attention_vjp(qk, v, do, num_buckets=3)
     g = lsh_attention_vjp(qk[..., :0, :], v[..., :0, :], do[..., :0, :])
     assert g["qk"].shape == (2, 3, 0, 16) and g["v"].shape == (2, 3, 0, 5)
+
+
+# --- cost and edges -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["local", "bigbird", "lsh"])
+def test_never_forms_n_by_s(name, rng):
+    """n = s = 8192: an (n, s) float32 matrix alone is 256 MiB.  The backward holds the
+    inputs' rows a few times over plus bounded tiles."""
+    import tracemalloc
+    n, d = 8192, 8
+    q, k, v = (x.astype(np.float32) for x in make_qkv(rng, batch=(1,), n=n, d=d))
+    do = rng.standard_normal((1, n, d)).astype(np.float32)
+    opts = {"local": {"window": 16, "block_size": 16}, "bigbird": {"block_size": 16},
+            "lsh": {"num_hashes": 2, "chunk_size": 32}}[name]
+    tracemalloc.start()
+    try:
+        arrayattn.vjp(name, q, k, v, do, **opts)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < n * n * 4 // 4, peak     # < 64 MiB  <<  n * s * 4 = 256 MiB
+
+
+@pytest.mark.parametrize("name", ["local", "poolingformer"])
+def test_no_keys(name, rng):
+    q = rng.standard_normal((2, 5, 4))
+    k, v, do = np.zeros((2, 0, 4)), np.zeros((2, 0, 3)), rng.standard_normal((2, 5, 3))
+    g = arrayattn.vjp(name, q, k, v, do)
+    assert {key: x.shape for key, x in g.items()} == {"q": q.shape, "k": k.shape,
+                                                       "v": v.shape}
+    assert not g["q"].any()
