@@ -137,8 +137,7 @@ def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
     xp, wd = p.xp, p.work_dtype
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
     if normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
-        wq, wk = (x / xp.where(n == 0, 1.0, n) for x, n in (
-            (x, xp.linalg.vector_norm(x, axis=-1, keepdims=True)) for x in (wq, wk)))
+        wq, wk = (reference.unit_rows(x)[0] for x in (wq, wk))
     if scale is not None:
         wq = wq * float(scale)
     # A gate outside (0, 1] (g > 0, or NaN) makes the outputs from there on NaN:

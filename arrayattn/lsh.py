@@ -22,7 +22,7 @@ from ._validate import (Problem, check_array, check_flag, check_key_mask, check_
 from ._xp import xp_from_host
 from .registry import Variant, register
 
-__all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets"]
+__all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets", "checked_lsh", "lsh_scores"]
 
 
 # ---------------------------------------------------------------------------------
@@ -263,23 +263,36 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
     >>> bool(np.allclose(ones, 1.0))
     True
     """
-    p, C, rot, H, nb = _prepare(qk, v, key_mask, num_hashes=num_hashes,
-                                num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
-                                rotations=rotations)
-    scale = check_scale(scale, p.d)
-    causal = check_flag("causal", causal)
-    dedup = check_flag("dedup", dedup)
-    if p.n == 0 or math.prod(p.batch) == 0:    # no tokens, or an empty batch (no heads)
+    p, rot, options = checked_lsh(qk, v, num_hashes=num_hashes, num_buckets=num_buckets,
+                                  chunk_size=chunk_size, seed=seed, rotations=rotations,
+                                  causal=causal, key_mask=key_mask, scale=scale, dedup=dedup)
+    if p.empty:
         return p.zeros()
     xp = p.xp
-    batch = math.prod(p.batch) * H
-    form = (reference.lsh_attention if dense_reference(batch * p.n * p.n)
+    form = (reference.lsh_attention if dense_reference(lsh_scores(p, rot))
             else reference.lsh_attention_chunked)
     with entry(xp):
         out = form(xp.astype(qk, p.work_dtype, copy=False),
-                   xp.astype(v, p.work_dtype, copy=False), rot, num_buckets=nb,
-                   chunk_size=C, scale=scale, causal=causal, key_mask=key_mask, dedup=dedup)
+                   xp.astype(v, p.work_dtype, copy=False), rot, **options)
     return xp.astype(out, p.dtype, copy=False)
+
+
+def checked_lsh(qk, v, *, num_hashes, num_buckets, chunk_size, seed, rotations, causal,
+                key_mask, scale, dedup):
+    """:func:`lsh_attention`'s checks (shared with its backward): ``(p, rotations,
+    options)``, the rotations in the working dtype and the reference forms' options."""
+    p, C, rot, _, nb = _prepare(qk, v, key_mask, num_hashes=num_hashes,
+                                num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
+                                rotations=rotations)
+    return p, rot, dict(num_buckets=nb, chunk_size=C, scale=check_scale(scale, p.d),
+                        causal=check_flag("causal", causal), key_mask=key_mask,
+                        dedup=check_flag("dedup", dedup))
+
+
+def lsh_scores(p: Problem, rot) -> int:
+    """The dense form's score count ``batch * H * n^2`` (it runs below the reference
+    engine's limit)."""
+    return math.prod(p.batch) * rot.shape[-3] * p.n * p.n
 
 
 def _uniform_call(q, k, v, /, **options):

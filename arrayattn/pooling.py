@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from ._xp import xp_from_host
 from .sparse import (BlockLayout, block_sparse_attention,
                      host_indices, local_layout, num_blocks)
 
-__all__ = ["pooling_attention", "pooled_spans"]
+__all__ = ["pooling_attention", "pooled_spans", "pool_keys", "checked_pooling", "dense_masks"]
 
 
 def pooled_spans(s: int, pool_size: int, pool_stride: int | None = None):
@@ -64,7 +65,7 @@ def _check_window(name: str, window) -> tuple[int, int]:
     return tuple(int(w) for w in window)
 
 
-def _pool(xp, x, start, end, kind: str, key_mask, *, device):
+def pool_keys(xp, x, start, end, kind: str, key_mask, *, device):
     """Pool ``x (..., s, c)`` over the intervals: ``(..., m, c)`` and which pooled
     rows saw at least one real key ``(..., m)`` (``None`` when all did)."""
     kappa = int((end - start).max()) + 1
@@ -161,6 +162,35 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     ...                                    pool_window=16, pool_size=4), 2.0))
     True
     """
+    c = checked_pooling(q, k, v, window=window, pool_window=pool_window, pool_size=pool_size,
+                        pool_stride=pool_stride, pool=pool, q2=q2, k2=k2, v2=v2, scale=scale,
+                        causal=causal, key_mask=key_mask, block_size=block_size)
+    p, xp, dev = c.p, c.p.xp, c.p.device
+    if p.s == 0:
+        return p.zeros()
+    wq, k, v, wq2, k2, v2 = c.work
+    with entry(xp):
+        if dense_reference(math.prod(p.batch) * p.n * p.s):
+            out = reference.pooling_attention(wq, k, v, wq2, k2, v2, *dense_masks(c),
+                                              scale=c.scale, scale2=c.scale2,
+                                              key_mask=key_mask, pool=c.pool)
+        else:
+            y = block_sparse_attention(p, wq * c.scale, k, v, c.lay1, causal=c.causal,
+                                       key_mask=key_mask)
+            kbar, valid = pool_keys(xp, k2, c.start, c.end, c.pool, key_mask, device=dev)
+            vbar, _ = pool_keys(xp, v2, c.start, c.end, c.pool, key_mask, device=dev)
+            out = y + block_sparse_attention(c.pm, wq2 * c.scale2, kbar, vbar, c.lay2,
+                                             causal=c.causal, key_mask=valid)
+    return xp.astype(out, p.dtype, copy=False)
+
+
+def checked_pooling(q, k, v, *, window, pool_window, pool_size, pool_stride, pool, q2, k2,
+                    v2, scale, causal, key_mask, block_size):
+    """:func:`pooling_attention`'s checks (shared with its backward), as a namespace:
+    ``p``, ``pm`` (the pooled level's problem), ``work`` (``q, k, v, q2, k2, v2`` in the
+    working dtype, masked keys' rows zeroed), ``scale``, ``scale2``, ``pool``,
+    ``causal``, the spans ``start``, ``end`` and the two layouts ``lay1``, ``lay2``
+    (``None`` when ``s = 0``)."""
     p = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
     check_key_mask(p, key_mask, q)
@@ -184,40 +214,34 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
         )
     if p2.batch != p.batch:
         raise ValueError(f"q2/k2/v2 batch {p2.batch} differs from q/k/v batch {p.batch}")
-    s1 = check_scale(scale, p.d)
-    s2 = check_scale(scale, p2.d)
-    if p.s == 0:
-        return p.zeros()
+    c = SimpleNamespace(p=p, scale=check_scale(scale, p.d), scale2=check_scale(scale, p2.d),
+                        pool=pool, causal=causal, lay1=None, lay2=None)
     # A padded key's row (even NaN or inf) must not matter: zeroed once, both levels.
-    k, v, k2, v2 = (xp.astype(x, wd, copy=False) for x in (k, v, k2, v2))
-    k, v, k2, v2 = zero_masked_keys(key_mask, k, v, k2, v2)
+    k, v, k2, v2 = zero_masked_keys(key_mask, *(xp.astype(x, wd, copy=False)
+                                                for x in (k, v, k2, v2)))
+    c.work = (xp.astype(q, wd, copy=False), k, v, xp.astype(q2, wd, copy=False), k2, v2)
+    if p.s == 0:
+        return c
+    c.start, c.end = start, end = pooled_spans(p.s, kappa, zeta)
+    c.lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
+    c.lay2 = BlockLayout(n=p.n, s=start.size, block_size=b,
+                         blocks=np.zeros((num_blocks(p.n, b), num_blocks(start.size, b)), bool),
+                         window=(w2[0], 0 if causal else w2[1]), causal=causal,
+                         key_start=start, key_end=end, query_offset=p.s - p.n,
+                         pattern="pooled")
+    c.pm = type(p2)(xp=xp, n=p.n, s=start.size, d=p2.d, dv=p.dv, batch=p.batch,
+                    dtype=p.dtype, work_dtype=wd, device=dev)
+    return c
 
-    wq, wq2 = xp.astype(q, wd, copy=False), xp.astype(q2, wd, copy=False)
-    start, end = pooled_spans(p.s, kappa, zeta)
-    lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
-    lay2 = BlockLayout(n=p.n, s=start.size, block_size=b,
-                       blocks=np.zeros((num_blocks(p.n, b), num_blocks(start.size, b)), bool),
-                       window=(w2[0], 0 if causal else w2[1]), causal=causal,
-                       key_start=start, key_end=end, query_offset=p.s - p.n, pattern="pooled")
-    with entry(xp):
-        if dense_reference(math.prod(p.batch) * p.n * p.s):
-            pos = np.arange(p.s)
-            inside = (start[:, None] <= pos) & (pos <= end[:, None])
-            out = reference.pooling_attention(
-                wq, k, v, wq2, k2, v2, lay1.dense_mask(xp, device=dev),
-                xp_from_host(xp, inside, dtype=xp.bool, device=dev),
-                lay2.dense_mask(xp, device=dev), scale=s1, scale2=s2, key_mask=key_mask,
-                pool=pool)
-        else:
-            y = block_sparse_attention(p, wq * s1, k, v, lay1, causal=causal,
-                                       key_mask=key_mask)
-            kbar, valid = _pool(xp, k2, start, end, pool, key_mask, device=dev)
-            vbar, _ = _pool(xp, v2, start, end, pool, key_mask, device=dev)
-            pm = type(p2)(xp=xp, n=p.n, s=start.size, d=p2.d, dv=p.dv, batch=p.batch,
-                          dtype=p.dtype, work_dtype=wd, device=dev)
-            out = y + block_sparse_attention(pm, wq2 * s2, kbar, vbar, lay2, causal=causal,
-                                             key_mask=valid)
-    return xp.astype(out, p.dtype, copy=False)
+
+def dense_masks(c):
+    """The dense reference form's masks of a checked call: the window ``(n, s)``, the
+    intervals ``inside (m, s)`` and the pooled window ``(n, m)``, on ``c.p``'s device."""
+    xp, dev = c.p.xp, c.p.device
+    pos = np.arange(c.p.s)
+    inside = (c.start[:, None] <= pos) & (pos <= c.end[:, None])
+    return (c.lay1.dense_mask(xp, device=dev), xp_from_host(xp, inside, dtype=xp.bool, device=dev),
+            c.lay2.dense_mask(xp, device=dev))
 
 
 register(Variant(

@@ -40,6 +40,8 @@ from ._engine import dense_reference, entry, numpy_engine
 from ._validate import (check_bias, check_flag, check_key_mask, check_positive_int, check_qkv,
                         check_scale, check_seed)
 from ._numpy.parallel import parallel_map
+from ._sparse_tiles import (blocked, group_rows, host_indices, num_blocks, tile_bias,
+                            tile_mask)
 from ._xp import xp_from_host
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
@@ -47,7 +49,7 @@ from .registry import Variant, register
 __all__ = [
     "BlockLayout", "block_layout", "local_layout", "strided_layout", "fixed_layout",
     "longformer_layout", "bigbird_layout", "sparse_attention", "local_attention",
-    "block_sparse_attention", "host_indices", "num_blocks",
+    "block_sparse_attention", "host_indices", "num_blocks", "checked_sparse",
 ]
 
 # Elements of the score tile plus gathered keys/values processed at once (per chunk of
@@ -56,10 +58,6 @@ _CHUNK_ELEMENTS = 1 << 23
 # The cost of one more group of query blocks, in score elements: a group is a dozen
 # array operations, worth about this much padded work.
 _GROUP_OVERHEAD = 1 << 17
-
-
-def num_blocks(n: int, b: int) -> int:
-    return -(-n // b)
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,7 +197,7 @@ class BlockLayout:
             step = max(1, _CHUNK_ELEMENTS // (self.block_size ** 2 * idx.shape[1]))
             for c0 in range(0, rows.size, step):
                 sl = slice(c0, c0 + step)
-                m = _tile_mask(xnp, self, rows[sl], idx[sl], valid[sl],
+                m = tile_mask(xnp, self, rows[sl], idx[sl], valid[sl],
                                causal=causal or self.causal, device="cpu")
                 qvalid = (rows[sl, None] * self.block_size + np.arange(self.block_size)) < self.n
                 total += int(np.sum(np.broadcast_to(m, (m.shape[0], self.block_size,
@@ -257,38 +255,9 @@ class BlockLayout:
     def plan(self) -> tuple:
         """Groups ``(rows, idx, valid)`` of query blocks: ``rows (G,)`` query blocks,
         ``idx (G, R)`` the key blocks each gathers (sorted, padded with masked slots),
-        ``valid (G, R)`` which slots are real.
-
-        Query blocks are sorted by how many key blocks they reach and cut into
-        contiguous groups minimising padded work plus a fixed cost per group
-        (a small dynamic programme over the distinct counts), so a few global rows
-        that reach every block do not pad the many local rows, and a handful of edge
-        rows do not cost a group of their own."""
-        sup = self.support
-        b = self.block_size
-        counts = np.maximum(sup.sum(axis=1), 1)
-        order = np.argsort(-counts, kind="stable")
-        vals, first = np.unique(-counts[order], return_index=True)
-        vals, bounds = -vals, np.r_[first, order.size]
-        m = vals.size
-        best, cut = np.zeros(m + 1), np.zeros(m + 1, dtype=np.int64)
-        for t in range(1, m + 1):
-            costs = [best[u] + vals[u] * (bounds[t] - bounds[u]) * b * b + _GROUP_OVERHEAD
-                     for u in range(t)]
-            cut[t] = int(np.argmin(costs))
-            best[t] = costs[cut[t]]
-        segments, t = [], m
-        while t > 0:
-            segments.append((cut[t], t))
-            t = cut[t]
-        groups = []
-        for u, t in reversed(segments):
-            rows = np.sort(order[bounds[u]:bounds[t]])
-            r = int(vals[u])
-            idx = np.argsort(~sup[rows], axis=1, kind="stable")[:, :r]
-            valid = np.take_along_axis(sup[rows], idx, axis=1)
-            groups.append((rows, idx, valid))
-        return tuple(groups)
+        ``valid (G, R)`` which slots are real (:func:`arrayattn._sparse_tiles.group_rows`:
+        grouped by how many key blocks they reach)."""
+        return group_rows(self.support, self.block_size, _GROUP_OVERHEAD)
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
@@ -551,86 +520,6 @@ def bigbird_layout(n: int, *, block_size: int = 64, num_window_blocks: int = 3,
 # Block-sparse attention
 # ---------------------------------------------------------------------------------
 
-def host_indices(xp, a, device):
-    """Host integers (block indices, positions) to ``xp`` int32 on ``device`` (every
-    library has int32; JAX without x64 has no int64, and these indices are small)."""
-    return xp_from_host(xp, np.asarray(a, dtype=np.int32), dtype=xp.int32, device=device)
-
-
-def _chunk_masks(layout: BlockLayout, rows, idx, valid, *, causal: bool):
-    """Host description of one chunk: first and last positions of the gathered keys
-    ``(G, R*b)`` (the same array unless keys are intervals), slot codes (0 = padding,
-    1 = reachable, 2 = allowed by a whole block or a global key), query positions
-    ``(G, b)`` and, for global queries, a flag ``(G, b)``."""
-    b = layout.block_size
-    ar = np.arange(b)
-    kpos = (idx[:, :, None] * b + ar).reshape(idx.shape[0], -1)
-    kvalid = np.repeat(valid, b, axis=1) & (kpos < layout.s)
-    full = np.repeat(layout.blocks[rows[:, None], idx], b, axis=1)
-    qpos = rows[:, None] * b + ar
-    gq = None
-    if layout.global_tokens.size:
-        g = np.zeros(max(layout.n, layout.s) + b * 2, dtype=bool)
-        g[layout.global_tokens] = True
-        full = full | g[kpos]
-        gq = g[qpos]
-        if not gq.any():
-            gq = None
-    code = np.where(kvalid, np.where(full, 2, 1), 0)
-    # A row can skip the token-level rules when every slot is already decided.
-    needs_rules = layout.window is not None or gq is not None or causal
-    kstart, kend = layout._key_span(np.minimum(kpos, layout.s - 1))
-    return kstart, kend, code, qpos + layout.shift, gq, needs_rules
-
-
-def _tile_mask(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, device):
-    """The pattern's boolean ``(G, b, R*b)`` mask over the gathered tiles of query blocks
-    ``rows`` and key blocks ``idx`` (no key mask), built on ``device`` from ``O(G R b)``
-    host integers. The one place the pattern's token-level rules are applied."""
-    kstart, kend, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
-                                                             causal=causal)
-    code_x = xp.expand_dims(host_indices(xp, code, device), axis=-2)          # (G, 1, Rb)
-    allowed = code_x == 2
-    if not needs_rules:
-        return allowed
-    kend_x = xp.expand_dims(host_indices(xp, kend, device), axis=-2)          # (G, 1, Rb)
-    kstart_x = kend_x if kstart is kend else xp.expand_dims(host_indices(xp, kstart, device),
-                                                            axis=-2)
-    apos_x = xp.expand_dims(host_indices(xp, apos, device), axis=-1)          # (G, b, 1)
-    reach = code_x >= 1
-    if layout.window is not None:
-        left, right = layout.window
-        allowed = allowed | (reach & (kstart_x >= apos_x - left) & (kend_x <= apos_x + right))
-    if gq is not None:
-        allowed = allowed | (reach & (xp.expand_dims(host_indices(xp, gq, device), axis=-1) > 0))
-    if causal:
-        allowed = allowed & (kend_x <= apos_x)
-    return allowed
-
-
-def _tile_bias(xp, bias, rows, kpos, layout: BlockLayout, device):
-    """The bias on the gathered tiles ``(..., G, b, R*b)``: its query rows, then each
-    group's key positions (padding slots read a clamped, masked-off entry)."""
-    b, n, s = layout.block_size, layout.n, layout.s
-    qrows = np.minimum(rows[:, None] * b + np.arange(b), n - 1).reshape(-1)
-    rb = xp.take(bias, host_indices(xp, qrows, device), axis=bias.ndim - 2)
-    rb = xp.reshape(rb, (*rb.shape[:-2], rows.size, b, s))
-    info = xp.__array_namespace_info__()
-    index = info.default_dtypes(device=device)["indexing"]   # torch: int64 only
-    cols = xp_from_host(xp, np.minimum(kpos, s - 1)[:, None, :], dtype=index, device=device)
-    return xp.take_along_axis(rb, xp.broadcast_to(cols, (*rb.shape[:-1], kpos.shape[1])),
-                              axis=-1)
-
-
-def _blocks(xp, x, nb: int, b: int, *, device):
-    """``x (..., t, c)`` padded with zero rows to ``nb * b`` tokens, as ``(..., nb, b, c)``."""
-    pad = nb * b - x.shape[-2]
-    if pad:
-        x = xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype,
-                                   device=device)], axis=-2)
-    return xp.reshape(x, (*x.shape[:-2], nb, b, x.shape[-1]))
-
-
 def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key_mask,
                            bias=None):
     """The gather plan of ``layout`` run group by group on
@@ -644,10 +533,10 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
     b, n = layout.block_size, p.n
     nqb, nkb = layout.blocks.shape
     causal = causal or layout.causal
-    qb = _blocks(xp, q, nqb, b, device=dev)
-    kb = _blocks(xp, k, nkb, b, device=dev)
-    vb = _blocks(xp, v, nkb, b, device=dev)
-    km = None if key_mask is None else _blocks(xp, key_mask[..., None], nkb, b, device=dev)
+    qb = blocked(xp, q, nqb, b, device=dev)
+    kb = blocked(xp, k, nkb, b, device=dev)
+    vb = blocked(xp, v, nkb, b, device=dev)
+    km = None if key_mask is None else blocked(xp, key_mask[..., None], nkb, b, device=dev)
     batch = math.prod(p.batch)
     per_slot = batch * (b * b + b * (p.d + p.dv))    # one key block of one query block
     chunks = []
@@ -665,14 +554,14 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
         for r0 in range(0, idx_rows.shape[1], span):
             idx, valid = idx_rows[:, r0:r0 + span], valid_rows[:, r0:r0 + span]
             idx_x = host_indices(xp, idx, dev)
-            allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
+            allowed = tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
             if km is not None:
                 kmc = xp.take(km, xp.reshape(idx_x, (-1,)), axis=km.ndim - 3)
                 allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
                                                      idx.shape[1] * b))
             kpos = (idx[:, :, None] * b + np.arange(b)).reshape(idx.shape[0], -1)
-            tile_bias = None if bias is None else _tile_bias(xp, bias, rows, kpos, layout, dev)
-            o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tile_bias)
+            tb = None if bias is None else tile_bias(xp, bias, rows, kpos, layout, dev)
+            o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tb)
             acc, lse = (o, l) if acc is None else reference.merge_attention(acc, lse, o, l)
         return acc                                                     # (..., G, b, dv)
 
@@ -692,6 +581,28 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
         out = xp.take(out, host_indices(xp, inv, dev), axis=out.ndim - 3)
     out = xp.reshape(out, (*out.shape[:-3], nqb * b, p.dv))
     return out[..., :n, :] if nqb * b != n else out
+
+
+def checked_sparse(q, k, v, *, layout, scale, causal, key_mask, bias):
+    """:func:`sparse_attention`'s checks (shared with its backward): ``(p, (wq, wk, wv),
+    scale, causal, bias)``, inputs in the working dtype, masked keys' rows zeroed."""
+    p = check_qkv(q, k, v)
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout (see arrayattn.local_layout etc.); "
+                        f"got {type(layout).__name__}")
+    if (layout.n, layout.s) != (p.n, p.s):
+        raise ValueError(
+            f"layout was built for n={layout.n} queries and s={layout.s} keys but q has "
+            f"n={p.n} (shape {tuple(q.shape)}) and k has s={p.s} (shape {tuple(k.shape)})"
+        )
+    causal = check_flag("causal", causal)
+    check_key_mask(p, key_mask, q)
+    xp, wd = p.xp, p.work_dtype
+    # Padded keys may hold anything (NaN, inf): their rows are replaced, not weighted by 0.
+    wk, wv = zero_masked_keys(key_mask, xp.astype(k, wd, copy=False),
+                              xp.astype(v, wd, copy=False))
+    return (p, (xp.astype(q, wd, copy=False), wk, wv), check_scale(scale, p.d), causal,
+            check_bias(p, bias, q))
 
 
 def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=False,
@@ -753,24 +664,9 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
     >>> bool(np.allclose(out, ref))
     True
     """
-    p = check_qkv(q, k, v)
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout (see arrayattn.local_layout etc.); "
-                        f"got {type(layout).__name__}")
-    if (layout.n, layout.s) != (p.n, p.s):
-        raise ValueError(
-            f"layout was built for n={layout.n} queries and s={layout.s} keys but q has "
-            f"n={p.n} (shape {tuple(q.shape)}) and k has s={p.s} (shape {tuple(k.shape)})"
-        )
-    causal = check_flag("causal", causal)
-    check_key_mask(p, key_mask, q)
-    scale = check_scale(scale, p.d)
-    bias = check_bias(p, bias, q)
+    p, (wq, wk, wv), scale, causal, bias = checked_sparse(
+        q, k, v, layout=layout, scale=scale, causal=causal, key_mask=key_mask, bias=bias)
     xp = p.xp
-    wq = xp.astype(q, p.work_dtype, copy=False)
-    # Padded keys may hold anything (NaN, inf): their rows are replaced, not weighted by 0.
-    wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
-                              xp.astype(v, p.work_dtype, copy=False))
     with entry(xp):
         if dense_reference(math.prod(p.batch) * p.n * p.s):
             allowed = reference.allowed_mask(

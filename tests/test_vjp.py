@@ -61,16 +61,9 @@ def _with_backward(records):
 #: Registered variants whose backward has not landed yet (test_every_variant_has_a_backward
 #: fails when this list is out of date in either direction).
 PENDING: set[str] = {
-    'bigbird',
-    'fixed',
     'gla',
-    'local',
-    'longformer',
-    'lsh',
-    'poolingformer',
     'retention',
     'ssd',
-    'strided',
 }
 
 

@@ -14,47 +14,62 @@ from .._heads import group_heads
 from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
+from ..exact import softmax_attention
+from ..gated import delta_attention, gated_delta_attention
+from ..kernel import efficient_attention, feature_attention, linear_attention
+from ..linformer import linformer_attention
+from ..luna import luna_attention
+from ..nystrom import landmark_attention, nystrom_attention
+from ..performer import performer_attention
+from ..pooling import pooling_attention
+from ..rfa import rfa_attention
+from ..sparse import local_attention, sparse_attention
+from .. import performer as _performer_forward
+# the backward adapters, one module per family (named _x: arrayattn.backward.x stays
+# the backward module, not shadowed by the forward module of the same name)
 from . import delta as _delta
 from . import exact as _exact
 from . import kernel as _kernel
+from . import linformer as _linformer
+from . import lsh as _lsh
+from . import luna as _luna
 from . import nystrom as _nystrom
-from . import linformer as _linformer, luna as _luna
 from . import performer as _performer
+from . import pooling as _pooling
 from . import rfa as _rfa
+from . import sparse as _sparse
+from .lsh import lsh_attention_vjp
 from .nystrom import pinv_vjp
-from .. import exact
-from .. import gated
-from .. import linformer
-from .. import luna
-from .. import nystrom
-from .. import kernel
-from .. import performer
-from .. import rfa
 
-__all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
+__all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp", "lsh_attention_vjp"]
 
 #: Public function, or registry name (for a record whose uniform call adapts its inputs,
 #: e.g. draws gates or builds a layout) -> its backward adapter
 #: ``adapter(q, k, v, do, /, **options) -> dict`` taking the options of that function (or
 #: of that uniform call), returning gradients shaped like their arguments.
 TABLE = {
-    exact.softmax_attention: _exact.softmax_attention_vjp,
-    nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
-    nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
-    linformer.linformer_attention: _linformer.linformer_attention_vjp,
-    "linformer": _linformer.linformer_call_vjp,        # host e/f moved to q's library
-    luna.luna_attention: _luna.luna_attention_vjp,    # p passed as p=
-    "luna": _luna.luna_call_vjp,                      # p (and W_K) drawn from seed
-    gated.delta_attention: _delta.delta_attention_vjp,
-    gated.gated_delta_attention: _delta.gated_delta_attention_vjp,
-    "deltanet": _delta.deltanet_vjp,                              # beta drawn from seed
-    "gated_deltanet": _delta.gated_deltanet_vjp,                  # beta, g drawn from seed
-    kernel.linear_attention: _kernel.linear_attention_vjp,        # linear_elu, _relu, ...
-    kernel.feature_attention: _kernel.feature_attention_vjp,
-    kernel.efficient_attention: _kernel.efficient_attention_vjp,  # efficient
-    performer.performer_attention: _performer.performer_attention_vjp,
-    performer._uniform_call: _performer.uniform_call_vjp,        # performer_* records
-    rfa.rfa_attention: _rfa.rfa_attention_vjp,                    # rfa
+    softmax_attention: _exact.softmax_attention_vjp,                # softmax, _blockwise
+    linear_attention: _kernel.linear_attention_vjp,                 # linear_elu, _relu ...
+    feature_attention: _kernel.feature_attention_vjp,
+    efficient_attention: _kernel.efficient_attention_vjp,           # efficient
+    performer_attention: _performer.performer_attention_vjp,
+    _performer_forward._uniform_call: _performer.uniform_call_vjp,  # performer_* records
+    rfa_attention: _rfa.rfa_attention_vjp,                          # rfa
+    delta_attention: _delta.delta_attention_vjp,
+    gated_delta_attention: _delta.gated_delta_attention_vjp,
+    "deltanet": _delta.deltanet_vjp,                                # beta drawn from seed
+    "gated_deltanet": _delta.gated_deltanet_vjp,                    # beta, g drawn from seed
+    nystrom_attention: _nystrom.nystrom_attention_vjp,              # nystrom_svd, _iterative
+    landmark_attention: _nystrom.landmark_attention_vjp,            # landmark
+    linformer_attention: _linformer.linformer_attention_vjp,
+    "linformer": _linformer.linformer_call_vjp,                     # host e/f to q's library
+    luna_attention: _luna.luna_attention_vjp,                       # p passed as p=
+    "luna": _luna.luna_call_vjp,                                    # p (and W_K) from seed
+    sparse_attention: _sparse.sparse_attention_vjp,
+    local_attention: _sparse.local_attention_vjp,                   # local
+    **_sparse.PATTERN_VJPS,                          # longformer, bigbird, strided, fixed
+    pooling_attention: _pooling.pooling_attention_vjp,              # poolingformer
+    "lsh": _lsh.lsh_uniform_vjp,         # q is the shared qk; lsh_attention_vjp: qk, v
 }
 
 

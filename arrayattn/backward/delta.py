@@ -60,8 +60,7 @@ def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, 
     g, beta = xp.where(bad[..., None], 0.0, g), xp.where(bad, 0.0, beta)
     rq, rk = wq, wk                                     # before normalisation
     if normalize_qk:
-        wq, wk = (x / xp.where(r == 0, 1.0, r) for x, r in (
-            (x, xp.linalg.vector_norm(x, axis=-1, keepdims=True)) for x in (wq, wk)))
+        wq, wk = (reference.unit_rows(x)[0] for x in (wq, wk))
     if scale is not None:
         wq = wq * float(scale)
     if p.n == 0:

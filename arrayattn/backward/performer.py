@@ -34,6 +34,9 @@ def performer_attention_vjp(q, k, v, do, /, *, features=None, num_features=None,
         args["gerf_a"] = gerf_a
     wq, wk, wv, wdo = (xp.astype(x, wd, copy=False) for x in (q, k, v, do))
     wk, wv = reference.zero_masked_keys(key_mask, wk, wv)   # padding may hold NaN / inf
+    # the forward's rule: causal, a non-finite key or value is dropped, its rows NaN
+    bad = reference.nonfinite_rows(wk, wv) if causal else None
+    wk, wv = (wk, wv) if bad is None else reference.drop_nonfinite(bad, wk, wv)
     a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
                        work_dtype=wd, device=p.device) if p.s else None
     if p.s == 0:
@@ -48,6 +51,8 @@ def performer_attention_vjp(q, k, v, do, /, *, features=None, num_features=None,
             dq, dk = reference.gerf_parameter_vjp(wq, wk, grads.pop("gerf_a"), scale=scale,
                                                   key_mask=key_mask)
             grads["q"], grads["k"] = grads["q"] + dq, grads["k"] + dk
+        if bad is not None:
+            grads = reference.poison_prefix_grads(grads, bad, p.n)
     return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}
 
 

@@ -33,8 +33,16 @@ def rfa_attention_vjp(q, k, v, do, /, *, num_features=128, seed=0, sigma=1.0,
     omega = features.on(xp, dtype=wd, device=p.device)
     if g is not None:
         g = xp.broadcast_to(g, (*batch, p.n))
+    bad = None
+    if causal:     # the forward's rule: a non-finite key, value or gate is dropped
+        extra = () if g is None else (g[..., None],)
+        bad = reference.nonfinite_rows(wk, wv, *extra)
+        wk, wv, *rest = reference.drop_nonfinite(bad, wk, wv, *extra)
+        g = g if g is None else rest[0][..., 0]
     with entry(xp):
         grads = reference.rfa_attention_vjp(
             wq, wk, wv, wdo, omega, sigma=sigma, causal=causal, gate=g, key_mask=key_mask,
             method=method or "chunked", chunk_size=chunk_size, eps=eps)
+        if bad is not None:
+            grads = reference.poison_prefix_grads(grads, bad, p.n)
     return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}

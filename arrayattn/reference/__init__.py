@@ -12,6 +12,7 @@ function that can be read -- and called -- on its own.
 """
 from . import finite
 from . import masks
+from . import rows
 from . import scan
 from . import exact
 from . import exact_vjp
@@ -30,11 +31,15 @@ from . import linformer_vjp
 from . import luna
 from . import luna_vjp
 from . import sparse
+from . import sparse_vjp
 from . import pooling
+from . import pooling_vjp
 from . import lsh
+from . import lsh_vjp
 
 from .finite import *  # noqa: F401,F403
 from .masks import *  # noqa: F401,F403
+from .rows import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
@@ -52,12 +57,16 @@ from .linformer_vjp import *  # noqa: F401,F403
 from .luna import *  # noqa: F401,F403
 from .luna_vjp import *  # noqa: F401,F403
 from .sparse import *  # noqa: F401,F403
+from .sparse_vjp import *  # noqa: F401,F403
 from .pooling import *  # noqa: F401,F403
+from .pooling_vjp import *  # noqa: F401,F403
 from .lsh import *  # noqa: F401,F403
+from .lsh_vjp import *  # noqa: F401,F403
 
 __all__ = [
     *finite.__all__,
     *masks.__all__,
+    *rows.__all__,
     *exact.__all__,
     *exact_vjp.__all__,
     *kernel.__all__,
@@ -75,6 +84,9 @@ __all__ = [
     *luna.__all__,
     *luna_vjp.__all__,
     *sparse.__all__,
+    *sparse_vjp.__all__,
     *pooling.__all__,
+    *pooling_vjp.__all__,
     *lsh.__all__,
+    *lsh_vjp.__all__,
 ]

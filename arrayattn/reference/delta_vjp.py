@@ -87,18 +87,7 @@ from array_api_compat import array_namespace, device
 from .gated import decay_matrix, in_chunks
 from .scan import scan
 
-__all__ = ["delta_recurrent_vjp", "delta_chunked_vjp", "unit_rows_vjp"]
-
-
-def unit_rows_vjp(x, dy):
-    r"""The cotangent of ``x`` from that of ``y = x / ||x||`` (rows, last axis):
-    :math:`dx = (dy - \hat x (\hat x \cdot dy)) / \|x\|`.  A zero row is divided by 1
-    in the forward (it stays zero), so there ``dx = dy`` (torch autograd's value)."""
-    xp = array_namespace(x, dy)
-    r = xp.linalg.vector_norm(x, axis=-1, keepdims=True)
-    r = xp.where(r == 0, 1.0, r)
-    y = x / r
-    return (dy - y * xp.sum(y * dy, axis=-1, keepdims=True)) / r
+__all__ = ["delta_recurrent_vjp", "delta_chunked_vjp"]
 
 
 def _rows(x, c: int):

@@ -28,7 +28,7 @@ from .exact import attention_blockwise, dropped, key_blocks
 from .logits import Logits, tile_logits
 from .masks import softmax_lse, visible_rows
 
-__all__ = ["attention_vjp", "attention_blockwise_vjp", "sum_to_shape"]
+__all__ = ["attention_vjp", "attention_blockwise_vjp", "sum_to_shape", "tile_backward"]
 
 
 def sum_to_shape(x, shape):
@@ -43,8 +43,12 @@ def sum_to_shape(x, shape):
     return xp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _tile_grads(lg: Logits, q, k, v, do, delta, lse, dropout, i0, i1, j0, j1):
-    """One tile's ``(dS, dQ_i, dK_j, dV_j)``, ``P`` recomputed from ``L``."""
+def tile_backward(lg: Logits, q, k, v, do, delta, lse, dropout, i0, i1, j0, j1):
+    """One tile's ``(P Z, dS, dS S', K_j, Q_i)``, ``P`` recomputed from ``L``: the
+    equations above up to the three products (``dQ_i = scale (dS S') K_j``, ``dK_j =
+    scale (dS S')^T Q_i``, ``dV_j = (P Z)^T dO_i``), so a caller that needs only some of
+    them (the sparse backward's two passes) computes only those.  ``K_j``, ``Q_i`` come
+    back with the rows nobody sees zeroed (``0 * nan`` guard)."""
     xp = array_namespace(q, k, v, do)
     x, allowed, slope = tile_logits(lg, q, k, i0, i1, j0, j1, slope=True)
     visible = lse[..., i0:i1, None] != -xp.inf      # an empty row; a NaN row stays NaN
@@ -52,13 +56,19 @@ def _tile_grads(lg: Logits, q, k, v, do, delta, lse, dropout, i0, i1, j0, j1):
     shifted = xp.where(visible, x - xp.where(visible, lse[..., i0:i1, None], 0.0), -xp.inf)
     p = xp.exp(shifted)
     vj, kj = visible_rows(v[..., j0:j1, :], visible), visible_rows(k[..., j0:j1, :], visible)
-    dob = do[..., i0:i1, :]
-    dp = dropped(dob @ xp.matrix_transpose(vj), dropout, i0, i1, j0, j1)
+    dp = dropped(do[..., i0:i1, :] @ xp.matrix_transpose(vj), dropout, i0, i1, j0, j1)
     ds = xp.where(visible, p * (dp - delta[..., i0:i1, None]), 0.0)
     dsr = ds if slope is None else ds * slope
     qi = visible_rows(q[..., i0:i1, :], xp.matrix_transpose(visible))
+    return dropped(p, dropout, i0, i1, j0, j1), ds, dsr, kj, qi
+
+
+def _tile_grads(lg: Logits, q, k, v, do, delta, lse, dropout, i0, i1, j0, j1):
+    """One tile's ``(dS, dQ_i, dK_j, dV_j)``, ``P`` recomputed from ``L``."""
+    xp = array_namespace(q, k, v, do)
+    pz, ds, dsr, kj, qi = tile_backward(lg, q, k, v, do, delta, lse, dropout, i0, i1, j0, j1)
     return (ds, lg.scale * (dsr @ kj), lg.scale * (xp.matrix_transpose(dsr) @ qi),
-            xp.matrix_transpose(dropped(p, dropout, i0, i1, j0, j1)) @ dob)
+            xp.matrix_transpose(pz) @ do[..., i0:i1, :])
 
 
 def attention_vjp(q, k, v, do, lg: Logits, *, dropout=None):

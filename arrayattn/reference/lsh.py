@@ -10,9 +10,11 @@ import math
 from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
 
-from .masks import attend, masked_softmax, zero_masked_keys
+from .masks import attend, log_total, masked_softmax, zero_masked_keys
+from .rows import unit_rows
 
-__all__ = ["lsh_hash", "lsh_attention", "lsh_attention_chunked"]
+__all__ = ["lsh_hash", "lsh_attention", "lsh_attention_chunked", "lsh_pattern",
+           "lsh_inputs", "lsh_rounds", "SortedRound"]
 
 
 def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
@@ -76,91 +78,147 @@ def _look_one_back(xp, x, fill, axis=2):
 _TILE = 1 << 22  # elements of one score-sized temporary (16 MiB in float32)
 
 
-def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
-    """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
+class SortedRound:
+    """One hash round's sorted, chunked order, as index arrays on the device (what the
+    forward and the backward of a round share).
 
-    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``;
-    ``buckets`` is ``(B, H, n)`` with masked tokens in bucket ``nb``.
+    Built from ``buckets (B, H, n)`` (masked tokens in bucket ``nb``) for round ``r``:
+    a stable sort by bucket, padded to ``nc * C`` slots (a pad slot holds position 0
+    but bucket -1).  :meth:`chunks` gathers rows into the sorted chunks, :meth:`window`
+    puts each chunk after the previous one, :meth:`mask` gives the allowed pairs (and
+    the duplicate count) of a block of chunks, :meth:`unsort` puts sorted rows back.
     """
-    B, H = buckets.shape[0], buckets.shape[1]
-    nc = -(-n // C)
-    L = nc * C
-    order = xp.argsort(buckets[:, r, :], axis=-1, stable=True)      # (B, n) positions
-    # Pad the sorted order to nc * C slots; a pad slot holds position 0 but bucket -1.
-    if L > n:
-        order = xp.concat(
-            [order, xp.zeros((B, L - n), dtype=order.dtype, device=device)], axis=-1)
-    offsets = xp.reshape(xp.arange(B, dtype=order.dtype, device=device) * n, (B, 1))
-    flat = xp.reshape(order + offsets, (B * L,))
-    is_slot = xp.arange(L, device=device) < n                         # (L,)
 
-    def sorted_ints(a):  # (B, n) ints -> (B, nc, C), pad slots -1
-        g = xp.reshape(xp.take(xp.reshape(a, (B * n,)), flat, axis=0), (B, L))
-        return xp.reshape(xp.where(is_slot, g, -1), (B, nc, C))
+    def __init__(self, xp, buckets, r: int, *, n: int, C: int, nb: int, causal: bool,
+                 dedup: bool, device):
+        B, H = buckets.shape[0], buckets.shape[1]
+        self.xp, self.B, self.n, self.C, self.causal = xp, B, n, C, causal
+        self.nc = nc = -(-n // C)
+        L = nc * C
+        order = xp.argsort(buckets[:, r, :], axis=-1, stable=True)      # (B, n) positions
+        # Sorted slot t holds position order[t]; position i is at undo[i].
+        undo = xp.argsort(order, axis=-1, stable=True)
+        if L > n:
+            order = xp.concat(
+                [order, xp.zeros((B, L - n), dtype=order.dtype, device=device)], axis=-1)
+        offsets = xp.reshape(xp.arange(B, dtype=order.dtype, device=device), (B, 1))
+        self.flat = xp.reshape(order + offsets * n, (B * L,))
+        self.flat_undo = xp.reshape(undo + offsets * L, (B * n,))
+        is_slot = xp.arange(L, device=device) < n                         # (L,)
 
-    q_c = _gather(xp, qs, flat, (B, nc, C, qs.shape[-1]))
-    k_t = xp.matrix_transpose(_gather(xp, ks, flat, (B, nc, C, ks.shape[-1])))
-    k_wt = _look_one_back(xp, k_t, 0, axis=-1)                        # (B, nc, d, 2C)
-    v_w = _look_one_back(xp, _gather(xp, vs, flat, (B, nc, C, vs.shape[-1])), 0)
-    pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
-    if causal:
-        # Sorted rank of each slot, and of each key slot in the look-back window.
-        slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
-        slot_k = _look_one_back(xp, slot, -L)
-    bq = sorted_ints(buckets[:, r, :])
-    bk = _look_one_back(xp, bq, -1)
-    pk = _look_one_back(xp, pos, -1)
-    # Paper eq. (3): same bucket only.  Queries and keys that are not real (pad slots
-    # in bucket -1, masked tokens in bucket nb) get codes that match nothing.  The
-    # token itself is excluded here and used as a fallback after the rounds are merged.
-    bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
-    bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
-    others = []  # the other rounds' buckets, for the duplicate count
-    if dedup and H > 1:
-        for r2 in range(H):
-            if r2 != r:
-                b2 = sorted_ints(buckets[:, r2, :])
-                others.append((b2, _look_one_back(xp, b2, -1)))
-    # The score-sized work runs over blocks of chunks, so that its temporaries stay
-    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)).
-    step = max(1, _TILE // (B * C * 2 * C))
-    outs, lses = [], []
-    for c0 in range(0, nc, step):
-        blk = slice(c0, min(c0 + step, nc))
-        pq4, pk4 = pos[:, blk, :, None], pk[:, blk, None, :]
-        allowed = (bq_code[:, blk, :, None] == bk_code[:, blk, None, :]) & (
-            (pk4 < pq4) if causal else (pk4 != pq4))
+        def sorted_ints(a):  # (B, n) ints -> (B, nc, C), pad slots -1
+            g = xp.reshape(xp.take(xp.reshape(a, (B * n,)), self.flat, axis=0), (B, L))
+            return xp.reshape(xp.where(is_slot, g, -1), (B, nc, C))
+
+        self.pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
+        self.pk = _look_one_back(xp, self.pos, -1)
         if causal:
+            # Sorted rank of each slot, and of each key slot in the look-back window.
+            self.slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
+            self.slot_k = _look_one_back(xp, self.slot, -L)
+        bq = sorted_ints(buckets[:, r, :])
+        bk = _look_one_back(xp, bq, -1)
+        # Paper eq. (3): same bucket only.  Queries and keys that are not real (pad
+        # slots in bucket -1, masked tokens in bucket nb) get codes that match nothing.
+        self.bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
+        self.bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
+        self.others = []  # the other rounds' buckets, for the duplicate count
+        if dedup and H > 1:
+            for r2 in range(H):
+                if r2 != r:
+                    b2 = sorted_ints(buckets[:, r2, :])
+                    self.others.append((b2, _look_one_back(xp, b2, -1)))
+
+    def blocks(self):
+        """Slices of chunks whose ``(C, 2C)`` tiles hold about ``_TILE`` elements in all."""
+        step = max(1, _TILE // (self.B * self.C * 2 * self.C))
+        return [slice(c0, min(c0 + step, self.nc)) for c0 in range(0, self.nc, step)]
+
+    def chunks(self, x):
+        """``x (B, n, f)`` in sorted order, ``(B, nc, C, f)`` (pad slots: position 0)."""
+        return _gather(self.xp, x, self.flat, (self.B, self.nc, self.C, x.shape[-1]))
+
+    def window(self, x, axis=2):
+        """Each chunk preceded by the previous one: ``(B, nc, 2C, f)`` (see
+        :func:`_look_one_back`; ``axis=-1`` for transposed keys)."""
+        return _look_one_back(self.xp, x, 0, axis=axis)
+
+    def unsort(self, y):
+        """Sorted rows ``(B, nc, C, f)`` back in position order: ``(B, n, f)``."""
+        flat = self.xp.reshape(y, (self.B * self.nc * self.C, y.shape[-1]))
+        return self.xp.reshape(self.xp.take(flat, self.flat_undo, axis=0),
+                               (self.B, self.n, y.shape[-1]))
+
+    def mask(self, blk: slice):
+        """``(allowed, count)`` of a block of chunks, both ``(B, g, C, 2C)``: a query sees
+        the other real tokens of its bucket in its chunk and the previous one (causal:
+        the ``C`` sorted slots before it); ``count`` is the number of other rounds in
+        which the pair shares a bucket (``None`` without ``dedup``), so that where
+        allowed ``N_ij = 1 + count``."""
+        xp = self.xp
+        pq4, pk4 = self.pos[:, blk, :, None], self.pk[:, blk, None, :]
+        allowed = (self.bq_code[:, blk, :, None] == self.bk_code[:, blk, None, :]) & (
+            (pk4 < pq4) if self.causal else (pk4 != pq4))
+        if self.causal:
             # A sliding window of the C sorted slots before the query instead of the
             # chunk + previous chunk: within a bucket, slots are in position order, so
             # the window holds the query's min(C, #) most recent same-bucket keys -- a
             # set fixed by past tokens alone.  With chunk boundaries a future token's
             # bucket could shift the window and change a past output.
             allowed = allowed & (
-                slot[:, blk, :, None] - slot_k[:, blk, None, :] <= C)
+                self.slot[:, blk, :, None] - self.slot_k[:, blk, None, :] <= self.C)
+        count = None
+        for b2q, b2k in self.others:
+            same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
+            count = same if count is None else count + same
+        return allowed, count
+
+
+def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
+    """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
+
+    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``;
+    ``buckets`` is ``(B, H, n)`` with masked tokens in bucket ``nb``.
+    """
+    rd = SortedRound(xp, buckets, r, n=n, C=C, nb=nb, causal=causal, dedup=dedup,
+                     device=device)
+    q_c = rd.chunks(qs)
+    k_wt = rd.window(xp.matrix_transpose(rd.chunks(ks)), axis=-1)     # (B, nc, d, 2C)
+    v_w = rd.window(rd.chunks(vs))
+    # The score-sized work runs over blocks of chunks, so that its temporaries stay
+    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)).
+    outs, lses = [], []
+    for blk in rd.blocks():
+        allowed, count = rd.mask(blk)
         scores = q_c[:, blk, ...] @ k_wt[:, blk, ...]                 # (B, g, C, 2C)
-        if others:
-            # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
-            # subtracting log N_ij makes a pair met in several rounds count once.
-            # Where allowed, N_ij = 1 (this round) + the matches counted here.
-            count = None
-            for b2q, b2k in others:
-                same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
-                count = same if count is None else count + same
+        if count is not None:
+            # Subtracting log N_ij makes a pair met in several rounds count once.
             scores = scores - xp.log1p(xp.astype(count, work_dtype))
         o, z = attend(scores, v_w[:, blk, ...], allowed)
         outs.append(o)
-        lses.append(z)
+        lses.append(z[..., None])
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=1)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=1)
-    out = xp.reshape(out, (B, L, out.shape[-1]))[:, :n, :]
-    lse = xp.reshape(lse, (B, L))[:, :n]
-    # Undo the sort: sorted slot t holds position order[t]; position i is at undo[i].
-    undo = xp.argsort(order[:, :n], axis=-1, stable=True)
-    flat_undo = xp.reshape(undo + offsets, (B * n,))
-    out = _gather(xp, out, flat_undo, (B, n, out.shape[-1]))
-    lse = xp.reshape(xp.take(xp.reshape(lse, (B * n,)), flat_undo, axis=0), (B, n))
-    return out, lse
+    return rd.unsort(out), rd.unsort(lse)[..., 0]
+
+
+def lsh_pattern(qk, rotations, *, num_buckets: int, chunk_size: int, causal: bool = False,
+                key_mask=None):
+    """The dense form's pairs: ``allowed (..., H, n, n)`` per round (same bucket, not
+    itself, rank in the chunk or the previous one; causal: ``0 < t_i - t_j <= C``) and
+    ``N (..., n, n)``, the number of rounds in which ``i`` and ``j`` share a bucket."""
+    xp = array_namespace(qk)
+    h = lsh_hash(qk, rotations, num_buckets)                            # (..., H, n)
+    if key_mask is not None:                 # padding: a last bucket that nobody attends
+        h = xp.where(key_mask[..., None, :], h, num_buckets)
+    rank = xp.argsort(xp.argsort(h, axis=-1, stable=True), axis=-1, stable=True)
+    same = h[..., :, None] == h[..., None, :]                            # (..., H, n, n)
+    gap = rank[..., :, None] - rank[..., None, :]
+    chunks = rank[..., :, None] // chunk_size - rank[..., None, :] // chunk_size
+    near = ((gap > 0) & (gap <= chunk_size)) if causal else (
+        (gap != 0) & (chunks >= 0) & (chunks <= 1))
+    allowed = same & near & (h < num_buckets)[..., None, :]
+    return allowed, xp.sum(xp.astype(same, qk.dtype), axis=-3)
 
 
 def lsh_attention(qk, v, rotations, *, num_buckets: int, chunk_size: int, scale: float,
@@ -172,24 +230,59 @@ def lsh_attention(qk, v, rotations, *, num_buckets: int, chunk_size: int, scale:
     no key in any round returns its own value (padding: zeros)."""
     xp = array_namespace(qk, v)
     qk, v = zero_masked_keys(key_mask, qk, v)
-    h = lsh_hash(qk, rotations, num_buckets)                            # (..., H, n)
-    if key_mask is not None:                 # padding: a last bucket that nobody attends
-        h = xp.where(key_mask[..., None, :], h, num_buckets)
-    rank = xp.argsort(xp.argsort(h, axis=-1, stable=True), axis=-1, stable=True)
-    same = h[..., :, None] == h[..., None, :]                            # (..., H, n, n)
-    gap = rank[..., :, None] - rank[..., None, :]
-    chunks = rank[..., :, None] // chunk_size - rank[..., None, :] // chunk_size
-    near = ((gap > 0) & (gap <= chunk_size)) if causal else (
-        (gap != 0) & (chunks >= 0) & (chunks <= 1))
-    allowed = same & near & (h < num_buckets)[..., None, :]
-    norm = xp.sqrt(xp.sum(qk * qk, axis=-1, keepdims=True))
-    scores = (qk * scale) @ xp.matrix_transpose(qk / xp.where(norm > 0, norm, 1.0))
+    allowed, rounds = lsh_pattern(qk, rotations, num_buckets=num_buckets,
+                                  chunk_size=chunk_size, causal=causal, key_mask=key_mask)
+    scores = (qk * scale) @ xp.matrix_transpose(unit_rows(qk)[0])
     if dedup:   # a pair met in N_ij rounds counts once (N_ij >= 1 where allowed)
-        scores = scores - xp.log(xp.maximum(xp.sum(xp.astype(same, qk.dtype), axis=-3), 1.0))
+        scores = scores - xp.log(xp.maximum(rounds, 1.0))
     out, lse = attend(scores[..., None, :, :], v[..., None, :, :], allowed)  # per round
     weight = masked_softmax(lse, axis=-2)[..., None]                    # (..., H, n, 1)
     has_key = xp.any(allowed, axis=(-3, -1))[..., None]
     return xp.where(has_key, xp.sum(weight * out, axis=-3), v)
+
+
+def lsh_inputs(qk, v, rotations, *, num_buckets: int, key_mask=None):
+    """The chunked form's inputs: ``(batch, qk (B, n, d), v (B, n, dv), buckets (B, H,
+    n))`` on the flattened broadcast batch, masked tokens' rows zeroed and their bucket
+    ``num_buckets`` (sorted after every real bucket)."""
+    xp = array_namespace(qk, v)
+    batch = _broadcast(_broadcast(qk.shape[:-2], v.shape[:-2]), rotations.shape[:-3])
+    if key_mask is not None:
+        batch = _broadcast(batch, key_mask.shape[:-1])
+    n, d, dv, H = qk.shape[-2], qk.shape[-1], v.shape[-1], rotations.shape[-3]
+    qk, v = zero_masked_keys(key_mask, qk, v)
+    B = math.prod(batch)
+    buckets = _hash(xp, qk, rotations, num_buckets, batch, n)          # (*batch, H, n)
+    if key_mask is not None:
+        buckets = xp.where(key_mask[..., None, :], buckets, num_buckets)
+    return (batch, xp.reshape(xp.broadcast_to(qk, (*batch, n, d)), (B, n, d)),
+            xp.reshape(xp.broadcast_to(v, (*batch, n, dv)), (B, n, dv)),
+            xp.reshape(buckets, (B, H, n)))
+
+
+def lsh_rounds(qk, v, buckets, *, num_buckets: int, chunk_size: int, scale: float,
+               causal: bool = False, dedup: bool = True):
+    """Every round of ``qk (B, n, d)``, ``v (B, n, dv)``, ``buckets (B, H, n)`` merged
+    by log-sum-exp: ``(O (B, n, dv), z (B, n))``, ``z = logsumexp_r z_r`` (``-inf``
+    and ``O = 0`` for a token with no key in any round)."""
+    xp = array_namespace(qk, v)
+    B, n = buckets.shape[0], buckets.shape[-1]
+    dev = xp_device(qk)
+    ks = unit_rows(qk)[0]
+    # The rounds merged as they come (the online log-sum-exp): top = running max of the
+    # rounds' lse, total = sum_r e^{z_r - top}, acc = sum_r e^{z_r - top} o_r.
+    top = xp.full((B, n), -xp.inf, dtype=qk.dtype, device=dev)
+    total = xp.zeros((B, n), dtype=qk.dtype, device=dev)
+    acc = xp.zeros((B, n, v.shape[-1]), dtype=qk.dtype, device=dev)
+    for r in range(buckets.shape[1]):
+        o, z = _lsh_round(xp, qk * scale, ks, v, buckets, r, n=n, C=chunk_size,
+                          nb=num_buckets, causal=causal, dedup=dedup,
+                          work_dtype=qk.dtype, device=dev)
+        new_top = xp.maximum(top, z)
+        shift = xp.where(new_top == -xp.inf, 0.0, new_top)
+        old, new = xp.exp(top - shift), xp.exp(z - shift)
+        total, acc, top = total * old + new, acc * old[..., None] + o * new[..., None], new_top
+    return acc / xp.where(total > 0, total, 1.0)[..., None], log_total(total, top)
 
 
 def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int,
@@ -203,34 +296,11 @@ def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int
     padded tokens (``key_mask`` False) hash to an extra last bucket and return 0.
     """
     xp = array_namespace(qk, v)
-    batch = _broadcast(_broadcast(qk.shape[:-2], v.shape[:-2]), rotations.shape[:-3])
-    if key_mask is not None:
-        batch = _broadcast(batch, key_mask.shape[:-1])
-    n, d, dv, H = qk.shape[-2], qk.shape[-1], v.shape[-1], rotations.shape[-3]
-    qk, v = zero_masked_keys(key_mask, qk, v)
-    B, dev = math.prod(batch), xp_device(qk)
-    buckets = _hash(xp, qk, rotations, num_buckets, batch, n)          # (*batch, H, n)
-    if key_mask is not None:
-        buckets = xp.where(key_mask[..., None, :], buckets, num_buckets)
-    buckets = xp.reshape(buckets, (B, H, n))
-    qk3 = xp.reshape(xp.broadcast_to(qk, (*batch, n, d)), (B, n, d))
-    v3 = xp.reshape(xp.broadcast_to(v, (*batch, n, dv)), (B, n, dv))
-    norm = xp.sqrt(xp.sum(qk3 * qk3, axis=-1, keepdims=True))
-    ks = qk3 / xp.where(norm > 0, norm, 1.0)
-    # The rounds merged as they come (the online log-sum-exp): top = running max of the
-    # rounds' lse, total = sum_r e^{z_r - top}, acc = sum_r e^{z_r - top} o_r.
-    top = xp.full((B, n), -xp.inf, dtype=qk.dtype, device=dev)
-    total = xp.zeros((B, n), dtype=qk.dtype, device=dev)
-    acc = xp.zeros((B, n, dv), dtype=qk.dtype, device=dev)
-    for r in range(H):
-        o, z = _lsh_round(xp, qk3 * scale, ks, v3, buckets, r, n=n, C=chunk_size,
-                          nb=num_buckets, causal=causal, dedup=dedup,
-                          work_dtype=qk.dtype, device=dev)
-        new_top = xp.maximum(top, z)
-        shift = xp.where(new_top == -xp.inf, 0.0, new_top)
-        old, new = xp.exp(top - shift), xp.exp(z - shift)
-        total, acc, top = total * old + new, acc * old[..., None] + o * new[..., None], new_top
-    has_key = total != 0          # a NaN total (a row that saw a NaN) stays NaN
-    out = acc / xp.where(has_key, total, 1.0)[..., None]
+    batch, qk3, v3, buckets = lsh_inputs(qk, v, rotations, num_buckets=num_buckets,
+                                         key_mask=key_mask)
+    out, z = lsh_rounds(qk3, v3, buckets, num_buckets=num_buckets, chunk_size=chunk_size,
+                        scale=scale, causal=causal, dedup=dedup)
     # A token with no other key in any round attends to itself (zeros if padded).
-    return xp.reshape(xp.where(has_key[..., None], out, v3), (*batch, n, dv))
+    # (a NaN z, a row that saw a NaN, keeps its NaN)
+    out = xp.where((z != -xp.inf)[..., None], out, v3)
+    return xp.reshape(out, (*batch, *out.shape[-2:]))
