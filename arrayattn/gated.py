@@ -88,9 +88,10 @@ def _check_state(p: Problem, state, q):
                          f"to the batch {p.batch}") from exc
 
 
-def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
-         initial_state, return_state, normalize_qk=False, per_dim=False):
-    """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
+def checked_gated(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
+                  initial_state, normalize_qk=False):
+    """Validate a call as the forward does: ``(p, (wq, wk, wv), g, beta, s0, method,
+    chunk_size)`` in the working dtype, scaled and masked (also the backward's)."""
     p = check_qkv(q, k, v)
     if not check_flag("causal", causal):
         raise ValueError("gated and delta-rule attention is causal (a recurrence over the "
@@ -101,7 +102,6 @@ def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
     check_key_mask(p, key_mask, q)
     method = check_choice("method", method, METHODS)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    return_state = check_flag("return_state", return_state)
     if scale is not None and (isinstance(scale, bool) or not isinstance(
             scale, numbers.Real) or not np.isfinite(scale)):
         raise ValueError(f"scale must be a finite number or None; got {scale!r}")
@@ -120,6 +120,14 @@ def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
         wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
         g = xp.where(key_mask[..., None], g, 0.0)
         beta = None if beta is None else xp.where(key_mask, beta, 0.0)
+    return p, (wq, wk, wv), g, beta, s0, method, chunk_size
+
+
+def _run(q, k, v, g, beta, *, return_state, **options):
+    """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
+    p, (wq, wk, wv), g, beta, s0, method, chunk_size = checked_gated(q, k, v, g, beta,
+                                                                     **options)
+    xp, return_state = p.xp, check_flag("return_state", return_state)
     if p.n == 0:
         out, s = p.zeros(), s0
     else:
@@ -207,6 +215,13 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
     >>> bool(np.allclose(retention(q, k, v, gamma=0.9), ((q @ k.swapaxes(-1, -2)) * d) @ v))
     True
     """
+    return _run(q, k, v, retention_log_gates(q, k, v, gamma), None, causal=causal,
+                key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
+                initial_state=initial_state, return_state=return_state)
+
+
+def retention_log_gates(q, k, v, gamma):
+    """``log gamma`` checked and laid out as one gate per token ``(..., H, n, 1)``."""
     p = check_qkv(q, k, v)
     xp = p.xp
     if gamma is None:
@@ -226,10 +241,7 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
     if g.ndim >= 3 and q.ndim >= 3 and g.shape[-3] not in (1, q.shape[-3]):
         raise ValueError(f"gamma has {g.shape[-3]} heads but q has {q.shape[-3]} "
                          f"(axis -3 of shape {tuple(q.shape)})")
-    g = xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device) + g
-    return _run(q, k, v, g, None, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                return_state=return_state)
+    return xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device) + g
 
 
 @_doc
@@ -502,16 +514,22 @@ def _checked(call):
     return adapter
 
 
+def drawn_gla_gates(q, seed):
+    return _draw(q, q.shape, seed, lambda r, s: _log_sigmoid(r.standard_normal(s) + 3.0))
+
+
+def drawn_ssd_decays(q, seed):
+    return _draw(q, q.shape[:-1], seed, lambda r, s: -np.exp(r.normal(-2.5, 0.5, s)))
+
+
 @_checked
 def _gla_call(q, k, v, /, *, seed=0, **options):
-    g = _draw(q, q.shape, seed, lambda r, s: _log_sigmoid(r.standard_normal(s) + 3.0))
-    return gla_attention(q, k, v, g, **options)
+    return gla_attention(q, k, v, drawn_gla_gates(q, seed), **options)
 
 
 @_checked
 def _ssd_call(q, k, v, /, *, seed=0, **options):
-    a = _draw(q, q.shape[:-1], seed, lambda r, s: -np.exp(r.normal(-2.5, 0.5, s)))
-    return ssd_attention(q, k, v, a, **options)
+    return ssd_attention(q, k, v, drawn_ssd_decays(q, seed), **options)
 
 
 @_checked
