@@ -15,9 +15,10 @@ from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from . import exact as _exact
+from . import gated as _gated
 from . import nystrom as _nystrom
 from .nystrom import pinv_vjp
-from .. import exact, nystrom
+from .. import exact, gated, nystrom
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -29,6 +30,11 @@ TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
     nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
     nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
+    gated.retention: _gated.retention_vjp,                        # retention
+    gated.gla_attention: _gated.gla_attention_vjp,
+    gated.ssd_attention: _gated.ssd_attention_vjp,
+    "gla": _gated.gla_call_vjp,                                   # gates drawn from seed
+    "ssd": _gated.ssd_call_vjp,
 }
 
 

@@ -10,7 +10,7 @@ The forms take validated inputs in their working dtype (the public functions of
 :mod:`arrayattn` validate, choose the implementation and cast back); each is a plain
 function that can be read -- and called -- on its own.
 """
-from . import masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, nystrom, nystrom_vjp, linformer, luna, sparse, pooling, lsh
+from . import masks, exact, exact_vjp, scan, kernel, performer, rfa, gated, gated_vjp, nystrom, nystrom_vjp, linformer, luna, sparse, pooling, lsh
 from .masks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
@@ -18,6 +18,7 @@ from .kernel import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
+from .gated_vjp import *  # noqa: F401,F403
 from .nystrom import *  # noqa: F401,F403
 from .nystrom_vjp import *  # noqa: F401,F403
 from .linformer import *  # noqa: F401,F403
@@ -34,6 +35,7 @@ __all__ = [
     *performer.__all__,
     *rfa.__all__,
     *gated.__all__,
+    *gated_vjp.__all__,
     *nystrom.__all__,
     *nystrom_vjp.__all__,
     *linformer.__all__,
