@@ -349,7 +349,8 @@ def test_float32_is_cast_back_and_close(name, rng):
     for key, x in got.items():
         assert x.dtype == np.float32 and x.shape == ref[key].shape
         # float32 rounding of sums of <= n = 64 decayed products, each of a few roundings
-        assert _rel(x, ref[key]) <= 64 * 8 * np.finfo(np.float32).eps, (key, _rel(x, ref[key]))
+        # measured <= 8 eps
+        assert _rel(x, ref[key]) <= 64 * 8 * np.finfo(np.float32).eps, key
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -397,7 +398,8 @@ def test_errors_are_the_forwards(name, rng):
 # --- backends and jax ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("backend_name", ["strict", "strict_device1", "torch", "jax", "cupy"])
+@pytest.mark.parametrize("backend_name",
+                         ["strict", "strict_device1", "torch", "jax", "cupy"])
 def test_vjp_on_every_backend(name, backend_name, rng):
     backend = get_backend(backend_name)
     q, k, v, do, opts, _ = _case(name, "key_mask", rng, batch=(2,), n=19)
@@ -445,7 +447,8 @@ def test_vjp_equals_jax_vjp_and_traces_under_jit(name, rng):
             assert _rel(grads[key], np.asarray(expected[key])) <= RTOL, (method, key)
         jitted = jax.jit(lambda q, k, v, do, extra: arrayattn.vjp(
             FUNCTIONS[name], q, k, v, do, **{**fixed, **extra}))(
-            *map(jnp.asarray, (q, k, v, do)), {key: jnp.asarray(x) for key, x in diff.items()})
+            *map(jnp.asarray, (q, k, v, do)),
+            {key: jnp.asarray(x) for key, x in diff.items()})
         for key in keys:
             np.testing.assert_allclose(np.asarray(jitted[key]), grads[key], rtol=1e-12,
                                        atol=1e-12 * np.max(np.abs(grads[key])))
