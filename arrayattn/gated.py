@@ -34,7 +34,10 @@ from ._xp import xp_from_host
 from .registry import Variant, register
 
 __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
-           "gated_delta_attention", "gated_attention_step", "retention_gammas"]
+           "gated_delta_attention", "gated_attention_step", "retention_gammas",
+           # the forward's checks, for the backward adapters (arrayattn.backward.gated)
+           "checked_gated", "check_gate", "retention_log_gates", "drawn_gla_gates",
+           "drawn_ssd_decays"]
 
 METHODS = ("chunked", "recurrent")
 
@@ -70,6 +73,9 @@ def _check_gate(p: Problem, name: str, x, q, *, per_dim: bool):
                          f"{p.batch}; got shape {tuple(x.shape)}")
     x = p.xp.astype(x, p.work_dtype, copy=False)
     return x if per_dim else x[..., None]
+
+
+check_gate = _check_gate
 
 
 def _check_state(p: Problem, state, q):

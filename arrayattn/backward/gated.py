@@ -15,7 +15,7 @@ from __future__ import annotations
 from .. import reference
 from .._engine import entry
 from .._validate import check_flag, check_qkv
-from ..gated import (_check_gate, checked_gated, drawn_gla_gates, drawn_ssd_decays,
+from ..gated import (check_gate, checked_gated, drawn_gla_gates, drawn_ssd_decays,
                      retention_log_gates)
 from ..reference.exact_vjp import sum_to_shape
 
@@ -74,7 +74,7 @@ def gla_attention_vjp(q, k, v, do, /, *, g, causal=True, key_mask=None, method="
                       chunk_size=16, scale=None, initial_state=None, return_state=False):
     """``{"q", "k", "v", "g"[, "initial_state"]}`` of :func:`~arrayattn.gla_attention`
     (``g (..., n, dk)``, the log gates, passed as ``g=``)."""
-    wg = _check_gate(check_qkv(q, k, v), "g", g, q, per_dim=True)
+    wg = check_gate(check_qkv(q, k, v), "g", g, q, per_dim=True)
     grads = _gated_vjp(q, k, v, do, wg, causal=causal, key_mask=key_mask, method=method,
                        chunk_size=chunk_size, scale=scale, initial_state=initial_state,
                        return_state=return_state)
@@ -87,7 +87,7 @@ def ssd_attention_vjp(q, k, v, do, /, *, a, causal=True, key_mask=None, method="
     (``a (..., n)``, the log decays ``Delta_t A``, passed as ``a=``; their cotangent is
     that of what was passed: for ``a = dt * A`` the caller's chain rule gives
     ``d dt = A da`` and ``dA = sum(dt da)``)."""
-    wa = _check_gate(check_qkv(q, k, v), "a", a, q, per_dim=False)
+    wa = check_gate(check_qkv(q, k, v), "a", a, q, per_dim=False)
     grads = _gated_vjp(q, k, v, do, wa, causal=causal, key_mask=key_mask, method=method,
                        chunk_size=chunk_size, scale=scale, initial_state=initial_state,
                        return_state=return_state)
