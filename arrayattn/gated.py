@@ -35,11 +35,11 @@ from .registry import Variant, register
 
 __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
            "gated_delta_attention", "gated_attention_step", "retention_gammas",
-           # the forward's checks, for the backward adapters (arrayattn.backward.gated)
-           "checked_gated", "check_gate", "retention_log_gates", "drawn_gla_gates",
-           "drawn_ssd_decays"]
+           "checked_gated"]
 
 METHODS = ("chunked", "recurrent")
+# the forward's gates, for the backward adapters (arrayattn.backward.gated)
+__all__ += ["retention_log_gates", "drawn_gla_gates", "drawn_ssd_decays"]
 
 
 def retention_gammas(heads: int) -> np.ndarray:
@@ -75,9 +75,6 @@ def _check_gate(p: Problem, name: str, x, q, *, per_dim: bool):
     return x if per_dim else x[..., None]
 
 
-check_gate = _check_gate
-
-
 def _check_state(p: Problem, state, q):
     if state is None:
         return p.xp.zeros((*p.batch, p.d, p.dv), dtype=p.work_dtype, device=p.device)
@@ -94,11 +91,12 @@ def _check_state(p: Problem, state, q):
                          f"to the batch {p.batch}") from exc
 
 
-def checked_gated(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
-                  initial_state, normalize_qk=False):
-    """Validate a call as the forward does: ``(p, (wq, wk, wv), g, beta, s0, method,
-    chunk_size)`` in the working dtype, scaled and masked (also the backward's)."""
+def checked_gated(q, k, v, *, causal, key_mask, method, chunk_size, scale, initial_state,
+                  return_state, gates=()):
+    """The forward's checks (its backward's too): ``(p, method, chunk_size, return_state,
+    S_0, [gate ...])``, each of ``gates = ((name, array, per_dim), ...)`` checked first."""
     p = check_qkv(q, k, v)
+    gates = [_check_gate(p, name, x, q, per_dim=per_dim) for name, x, per_dim in gates]
     if not check_flag("causal", causal):
         raise ValueError("gated and delta-rule attention is causal (a recurrence over the "
                          "tokens); causal=False is not defined")
@@ -108,11 +106,20 @@ def checked_gated(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, sca
     check_key_mask(p, key_mask, q)
     method = check_choice("method", method, METHODS)
     chunk_size = check_positive_int("chunk_size", chunk_size)
+    return_state = check_flag("return_state", return_state)
     if scale is not None and (isinstance(scale, bool) or not isinstance(
             scale, numbers.Real) or not np.isfinite(scale)):
         raise ValueError(f"scale must be a finite number or None; got {scale!r}")
+    return p, method, chunk_size, return_state, _check_state(p, initial_state, q), gates
+
+
+def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
+         initial_state, return_state, normalize_qk=False, per_dim=False):
+    """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
+    p, method, chunk_size, return_state, s0, _ = checked_gated(
+        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
+        scale=scale, initial_state=initial_state, return_state=return_state)
     xp, wd = p.xp, p.work_dtype
-    s0 = _check_state(p, initial_state, q)
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
     if normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
         wq, wk = (x / xp.where(n == 0, 1.0, n) for x, n in (
@@ -126,14 +133,6 @@ def checked_gated(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, sca
         wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
         g = xp.where(key_mask[..., None], g, 0.0)
         beta = None if beta is None else xp.where(key_mask, beta, 0.0)
-    return p, (wq, wk, wv), g, beta, s0, method, chunk_size
-
-
-def _run(q, k, v, g, beta, *, return_state, **options):
-    """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
-    p, (wq, wk, wv), g, beta, s0, method, chunk_size = checked_gated(q, k, v, g, beta,
-                                                                     **options)
-    xp, return_state = p.xp, check_flag("return_state", return_state)
     if p.n == 0:
         out, s = p.zeros(), s0
     else:

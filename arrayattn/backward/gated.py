@@ -14,27 +14,38 @@ from __future__ import annotations
 
 from .. import reference
 from .._engine import entry
-from .._validate import check_flag, check_qkv
-from ..gated import (check_gate, checked_gated, drawn_gla_gates, drawn_ssd_decays,
-                     retention_log_gates)
+from .._validate import check_qkv
+from ..gated import checked_gated, drawn_gla_gates, drawn_ssd_decays, retention_log_gates
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["retention_vjp", "gla_attention_vjp", "ssd_attention_vjp", "gla_call_vjp",
            "ssd_call_vjp"]
 
 
-def _gated_vjp(q, k, v, do, g, *, causal, key_mask, method, chunk_size, scale,
+def _gated_vjp(q, k, v, do, gate, *, causal, key_mask, method, chunk_size, scale,
                initial_state, return_state):
-    """Gradients of the family's output from the checked log gates ``g (..., n, 1 | dk)``
-    (``"g"`` in the result, working dtype, the batch's shape)."""
-    p, (wq, wk, wv), wg, _, s0, method, chunk_size = checked_gated(
-        q, k, v, g, None, causal=causal, key_mask=key_mask, method=method,
-        chunk_size=chunk_size, scale=scale, initial_state=initial_state)
-    check_flag("return_state", return_state)
-    xp = p.xp
-    wdo = xp.astype(do, p.work_dtype, copy=False)
+    """Gradients of the family's output; ``gate = (name, array, per_dim)`` as the caller
+    passed it, or the log gates ``(..., n, 1)`` already laid out (retention).  ``"g"`` in
+    the result: the cotangent of the checked gates ``(..., n, 1 | dk)``, batch-shaped."""
+    p, method, chunk_size, _, s0, checked = checked_gated(
+        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
+        scale=scale, initial_state=initial_state, return_state=return_state,
+        gates=(gate,) if isinstance(gate, tuple) else ())
+    xp, wd = p.xp, p.work_dtype
+    g = checked[0] if checked else gate
+    # the forward's preprocessing (gated._run), differentiated below
+    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+    if scale is not None:
+        wq = wq * float(scale)
+    keep = g <= 0.0                                         # g > 0 or NaN: replaced by NaN
+    wg = xp.where(keep, g, xp.nan)
+    if key_mask is not None:            # masked tokens: k, v zeroed, gate replaced by 1
+        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
+        wg = xp.where(key_mask[..., None], wg, 0.0)
+        keep = keep & key_mask[..., None]
+    wdo = xp.astype(do, wd, copy=False)
     if p.n == 0:
-        grads = {"q": wq, "k": wk, "v": wv, "g": wg, "initial_state": xp.zeros_like(s0)}
+        grads = {"q": wq, "k": wk, "v": wv, "g": wg, "initial_state": s0}
         return {name: xp.zeros_like(x) for name, x in grads.items()}
     with entry(xp):
         if method == "recurrent":
@@ -43,11 +54,9 @@ def _gated_vjp(q, k, v, do, g, *, causal, key_mask, method, chunk_size, scale,
             grads = reference.gla_chunked_vjp(wq, wk, wv, wg, s0, wdo, chunk_size)
     if scale is not None:                                   # wq = scale q
         grads["q"] = grads["q"] * float(scale)
-    keep = g <= 0.0                                         # g > 0 or NaN: replaced by NaN
-    if key_mask is not None:            # masked tokens: k, v zeroed, gate replaced by 1
+    if key_mask is not None:
         grads["k"], grads["v"] = reference.zero_masked_keys(key_mask, grads["k"],
                                                             grads["v"])
-        keep = keep & key_mask[..., None]
     grads["g"] = xp.where(keep, grads["g"], 0.0)
     return grads
 
@@ -74,10 +83,9 @@ def gla_attention_vjp(q, k, v, do, /, *, g, causal=True, key_mask=None, method="
                       chunk_size=16, scale=None, initial_state=None, return_state=False):
     """``{"q", "k", "v", "g"[, "initial_state"]}`` of :func:`~arrayattn.gla_attention`
     (``g (..., n, dk)``, the log gates, passed as ``g=``)."""
-    wg = check_gate(check_qkv(q, k, v), "g", g, q, per_dim=True)
-    grads = _gated_vjp(q, k, v, do, wg, causal=causal, key_mask=key_mask, method=method,
-                       chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                       return_state=return_state)
+    grads = _gated_vjp(q, k, v, do, ("g", g, True), causal=causal, key_mask=key_mask,
+                       method=method, chunk_size=chunk_size, scale=scale,
+                       initial_state=initial_state, return_state=return_state)
     return _shaped(grads, {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state})
 
 
@@ -87,10 +95,9 @@ def ssd_attention_vjp(q, k, v, do, /, *, a, causal=True, key_mask=None, method="
     (``a (..., n)``, the log decays ``Delta_t A``, passed as ``a=``; their cotangent is
     that of what was passed: for ``a = dt * A`` the caller's chain rule gives
     ``d dt = A da`` and ``dA = sum(dt da)``)."""
-    wa = check_gate(check_qkv(q, k, v), "a", a, q, per_dim=False)
-    grads = _gated_vjp(q, k, v, do, wa, causal=causal, key_mask=key_mask, method=method,
-                       chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                       return_state=return_state)
+    grads = _gated_vjp(q, k, v, do, ("a", a, False), causal=causal, key_mask=key_mask,
+                       method=method, chunk_size=chunk_size, scale=scale,
+                       initial_state=initial_state, return_state=return_state)
     grads["a"] = grads.pop("g")[..., 0]
     return _shaped(grads, {"q": q, "k": k, "v": v, "a": a, "initial_state": initial_state})
 
