@@ -11,7 +11,7 @@ softmax of Milakov & Gimelshein 2018.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import reference
 from ._devices import default_block_size
@@ -23,6 +23,7 @@ from ._validate import (Problem, check_bias, check_flag, check_key_mask, check_m
 from ._validate_options import (check_alibi_slopes, check_callable, check_cu_seqlens,
                                 check_dropout, check_query_mask, check_softcap, check_window)
 from .reference.logits import Logits, segment_ids
+from .reference.finite import drop_nonfinite, nonfinite_rows
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 
@@ -218,13 +219,15 @@ def run(call: Call, q, k, v):
         out = p.zeros()
         lse = xp.full((*p.batch, p.n), -xp.inf, dtype=p.work_dtype, device=p.device)
         return (out, lse) if call.return_lse else out
-    wq, wk, wv = working_qkv(p, q, k, v, lg.key_mask)
+    wq, wk, wv, bad = working_qkv(p, q, k, v, lg.key_mask)
+    lg = replace(lg, poison=bad)
     blocks = call.block_size
     tile = p.n * (min(blocks, p.s) if blocks else p.s)
     opts = dict(scale=lg.scale, causal=lg.right == 0, key_mask=lg.key_mask, mask=lg.mask)
     with entry(xp):
         if (lg.plain and lg.bias is None and call.dropout is None
-                and not call.return_lse and numpy_engine(xp, tile * _batch_size(p) * 4)):
+                and not call.return_lse and numpy_engine(xp, tile * _batch_size(p) * 4)
+                and not xp.any(bad)):      # NumPy only: the engine has no NaN rows
             out = (engine.blockwise(wq, wk, wv, block_size=blocks, out_shape=p.out_shape,
                                     **opts) if blocks else engine.dense(wq, wk, wv, **opts))
             lse = None
@@ -238,11 +241,15 @@ def run(call: Call, q, k, v):
 
 
 def working_qkv(p: Problem, q, k, v, key_mask):
-    """``q, k, v`` in the working dtype, the rows of masked keys zeroed."""
+    """``(q, k, v, bad)`` in the working dtype: the rows of masked keys zeroed, and the
+    rows of keys whose key or value is not finite zeroed and marked in ``bad (..., s)``
+    (they make NaN exactly the rows that see them, :mod:`arrayattn.reference.finite`)."""
     xp = p.xp
     wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
                               xp.astype(v, p.work_dtype, copy=False))
-    return xp.astype(q, p.work_dtype, copy=False), wk, wv
+    bad = nonfinite_rows(wk, wv)
+    wk, wv = drop_nonfinite(bad, wk, wv)
+    return xp.astype(q, p.work_dtype, copy=False), wk, wv, bad
 
 
 def _batch_size(p: Problem) -> int:

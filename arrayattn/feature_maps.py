@@ -28,6 +28,8 @@ from typing import Callable
 import array_api_compat
 
 from ._xp import xp_device, xp_namespace
+from .reference.kernel_vjp import (cosine_features_vjp, elu_plus_one_vjp, relu_vjp,
+                                   taylor_features_vjp)
 
 __all__ = ["FeatureMap", "get_feature_map", "taylor_feature_map", "FEATURE_MAPS",
            "elu_plus_one", "relu", "cosine_features"]
@@ -52,6 +54,9 @@ class FeatureMap:
         have negative features but a non-negative kernel.
     kernel : str
         The kernel in words, for docs and reprs.
+    query_vjp, key_vjp : callable or None
+        ``(x, dphi) -> dx``: the cotangent of the map's input from that of its output
+        (the built-in maps have them; a user map needs them for :func:`arrayattn.vjp`).
     """
 
     name: str
@@ -60,6 +65,8 @@ class FeatureMap:
     dim: Callable[[int], int] | None = None
     nonnegative: bool = False
     kernel: str = ""
+    query_vjp: Callable | None = None
+    key_vjp: Callable | None = None
 
     def output_dim(self, d: int, *, xp=None, dtype=None, device=None) -> int:
         """The feature dimension ``m`` for inputs of dimension ``d``.
@@ -154,18 +161,24 @@ def taylor_feature_map(input_scale: float = 1.0) -> FeatureMap:
     def phi(x):
         return _taylor(x, a)
 
+    def phi_vjp(x, dphi):
+        return taylor_features_vjp(x, dphi, a)
+
     name = "taylor" if a == 1.0 else f"taylor(input_scale={a:g})"
     return FeatureMap(name, phi, phi, dim=lambda d: 1 + d + d * d,
-                      kernel="1 + t + t^2/2 with t = a^2 q.k (a = input_scale)")
+                      kernel="1 + t + t^2/2 with t = a^2 q.k (a = input_scale)",
+                      query_vjp=phi_vjp, key_vjp=phi_vjp)
 
 
 FEATURE_MAPS = {
     "elu+1": FeatureMap("elu+1", elu_plus_one, elu_plus_one, dim=lambda d: d,
-                        nonnegative=True, kernel="(elu(q)+1).(elu(k)+1)"),
+                        nonnegative=True, kernel="(elu(q)+1).(elu(k)+1)",
+                        query_vjp=elu_plus_one_vjp, key_vjp=elu_plus_one_vjp),
     "relu": FeatureMap("relu", relu, relu, dim=lambda d: d, nonnegative=True,
-                       kernel="relu(q).relu(k)"),
+                       kernel="relu(q).relu(k)", query_vjp=relu_vjp, key_vjp=relu_vjp),
     "cosine": FeatureMap("cosine", cosine_features, cosine_features, dim=lambda d: d + 1,
-                         kernel="1 + cos(q, k)"),
+                         kernel="1 + cos(q, k)", query_vjp=cosine_features_vjp,
+                         key_vjp=cosine_features_vjp),
     "taylor": taylor_feature_map(1.0),
 }
 

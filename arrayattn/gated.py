@@ -133,6 +133,14 @@ def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
         wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
         g = xp.where(key_mask[..., None], g, 0.0)
         beta = None if beta is None else xp.where(key_mask, beta, 0.0)
+    # a non-finite key, value or beta, or a NaN gate, reaches only the rows from its
+    # token on (-inf gates are restarts, not faults)
+    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1)
+    if beta is not None:
+        bad = bad | ~xp.isfinite(beta)
+        beta = xp.where(bad, 0.0, beta)
+    wk, wv = reference.drop_nonfinite(bad, wk, wv)
+    g = xp.where(bad[..., None], 0.0, g)
     if p.n == 0:
         out, s = p.zeros(), s0
     else:
@@ -145,7 +153,9 @@ def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
                 out, s = reference.delta_recurrent(wq, wk, wv, beta, g, s0)
             else:
                 out, s = reference.delta_chunked(wq, wk, wv, beta, g, s0, chunk_size)
+        out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
         out = xp.astype(xp.broadcast_to(out, p.out_shape), p.dtype, copy=False)
+        s = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, s)
     s = xp.broadcast_to(s, (*p.batch, p.d, p.dv))
     return (out, xp.astype(s, p.dtype, copy=False)) if return_state else out
 

@@ -40,7 +40,8 @@ from .registry import Variant, register
 __all__ = [
     "LinearAttentionState", "feature_attention", "feature_attention_step",
     "linear_attention", "linear_attention_state", "linear_attention_step",
-    "efficient_attention", "check_eps",
+    "efficient_attention", "check_eps", "check_kernel_options", "check_state",
+    "checked_maps",
 ]
 
 CAUSAL_METHODS = ("recurrent", "cumsum", "chunked")
@@ -86,7 +87,7 @@ class LinearAttentionState:
         return tuple(self.S.shape[:-2])
 
 
-def _check_state(p: Problem, state, ref, m: int) -> tuple:
+def check_state(p: Problem, state, ref, m: int) -> tuple:
     """Validate a state against features of dimension ``m``; returns the batch shape."""
     if not isinstance(state, LinearAttentionState):
         raise TypeError(f"state must be a LinearAttentionState; got {type(state).__name__}")
@@ -195,9 +196,10 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     p = check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
     causal = check_flag("causal", causal)
     return_state = check_flag("return_state", return_state)
-    chunk_size, method, eps = _check_options(p, phi_q, key_mask, chunk_size, method, eps)
+    chunk_size, method, eps = check_kernel_options(p, phi_q, key_mask, chunk_size, method,
+                                                   eps)
     xp, wd, m = p.xp, p.work_dtype, p.d
-    batch = p.batch if state is None else _check_state(p, state, phi_q, m)
+    batch = p.batch if state is None else check_state(p, state, phi_q, m)
     sz0 = None
     if state is not None:
         sz0 = xp.concat([state.S, state.z[..., None]], axis=-1)
@@ -231,6 +233,9 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
     m = q.shape[-1] if m is None else m
     with entry(xp):
         k, v = reference.zero_masked_keys(key_mask, k, v)
+        # causal: a non-finite key or value reaches only the rows that see it
+        bad = reference.nonfinite_rows(k, v) if causal else None
+        k, v = (k, v) if bad is None else reference.drop_nonfinite(bad, k, v)
         if normalize and numpy_engine(xp, math.prod(batch) * (p.n + p.s) * max(m, p.dv + 1)
                                       * 4):
             out, sz = numpy_kernel.kernel_attention(
@@ -244,11 +249,14 @@ def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
             out, sz = reference.kernel_attention(
                 pq, pk, v, causal=causal, key_mask=key_mask, method=method,
                 chunk_size=chunk_size, eps=eps, state=sz0, normalize=normalize)
+    if bad is not None:
+        out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
+        sz = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, sz)
     sz = xp.broadcast_to(sz, (*batch, *sz.shape[-2:]))
     return xp.astype(out, p.dtype, copy=False), sz
 
 
-def _checked_maps(fm: FeatureMap, ref) -> tuple:
+def checked_maps(fm: FeatureMap, ref) -> tuple:
     """The query and key maps of ``fm`` with their outputs checked: arrays of ``ref``'s
     library, the rows and dtype kept, one width for both (a map returning something
     else fails here, by name, not deep inside a product)."""
@@ -277,7 +285,7 @@ def _checked_maps(fm: FeatureMap, ref) -> tuple:
     return checked(fm.query, "query"), checked(fm.key, "key")
 
 
-def _check_options(p: Problem, ref, key_mask, chunk_size, method, eps):
+def check_kernel_options(p: Problem, ref, key_mask, chunk_size, method, eps):
     """The options :func:`feature_attention` and :func:`linear_attention` share, checked:
     ``(chunk_size, method, eps)`` with ``method=None`` -> ``"chunked"`` and ``eps`` a float."""
     check_key_mask(p, key_mask, ref)
@@ -405,14 +413,14 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
     p = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
     return_state = check_flag("return_state", return_state)
-    chunk_size, method, eps = _check_options(p, q, key_mask, chunk_size, method, eps)
+    chunk_size, method, eps = check_kernel_options(p, q, key_mask, chunk_size, method, eps)
     fm = get_feature_map(feature_map)
     xp, wd = p.xp, p.work_dtype
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
     if fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]:
         maps = (fm.query, fm.key)
     else:
-        maps = _checked_maps(fm, q)
+        maps = checked_maps(fm, q)
     # the engine's elu+1 makes one temporary less
     engine_maps = (numpy_kernel.elu_plus_one_,) * 2 if fm is FEATURE_MAPS["elu+1"] else maps
     m = fm.dim(p.d) if fm.dim is not None else None
@@ -520,7 +528,7 @@ def linear_attention_step(q_t, k_t, v_t, state, /, *, eps=None):
     xp = p.xp
     wq, wk, wv = (xp.astype(x, p.work_dtype, copy=False) for x in (q_t, k_t, v_t))
     if not (fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]):
-        fm = FeatureMap(fm.name, *_checked_maps(fm, q_t))
+        fm = FeatureMap(fm.name, *checked_maps(fm, q_t))
     with entry(xp):
         out, new = feature_attention_step(fm.query(wq), fm.key(wk), wv, state, eps=eps)
     return xp.astype(out, p.dtype, copy=False), new

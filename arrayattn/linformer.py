@@ -22,7 +22,7 @@ from ._validate import (check_array, check_flag, check_key_mask, check_no_causal
 from ._xp import xp_from_host, xp_namespace
 from .registry import Variant, register
 
-__all__ = ["linformer_attention", "linformer_projection"]
+__all__ = ["linformer_attention", "linformer_projection", "checked_linformer", "host_to_q"]
 
 _WHY_NOT_CAUSAL = (
     "every compressed key (E k)_r and value (F v)_r is a mix of all s positions, past "
@@ -68,6 +68,36 @@ def _check_projection(p, name, x, q):
             f"{name} of shape {tuple(x.shape)} has leading dimensions that do not broadcast "
             f"with the inputs' batch {p.batch}"
         ) from None
+
+
+def checked_linformer(q, k, v, *, e, f, proj_dim, seed, scale, key_mask, causal):
+    """The forward's checks, shared with the backward: ``(problem, scale, E, F)``, ``E``
+    and ``F`` in the working dtype (``F is E`` when ``f`` is not given)."""
+    p = check_qkv(q, k, v)
+    check_no_causal(check_flag("causal", causal), "linformer_attention", _WHY_NOT_CAUSAL)
+    check_key_mask(p, key_mask, q)
+    scale = check_scale(scale, p.d)
+    xp, wd = p.xp, p.work_dtype
+    if e is None:
+        if f is not None:
+            raise ValueError("f was given without e; pass e as well (or neither)")
+        proj_dim = check_positive_int("proj_dim", proj_dim)
+        e = xp_from_host(xp, linformer_projection(proj_dim, p.s, seed=seed),
+                         dtype=wd, device=p.device)
+    else:
+        _check_projection(p, "e", e, q)
+        e = xp.astype(e, wd, copy=False)
+    if f is None:
+        f = e
+    else:
+        _check_projection(p, "f", f, q)
+        if f.shape[-2] != e.shape[-2]:
+            raise ValueError(
+                f"e and f must project to the same m; got e {tuple(e.shape)}, "
+                f"f {tuple(f.shape)}"
+            )
+        f = xp.astype(f, wd, copy=False)
+    return p, scale, e, f
 
 
 def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, scale=None,
@@ -135,30 +165,9 @@ def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, sca
     >>> bool(np.allclose(linformer_attention(q, k, v, e=eye), softmax_attention(q, k, v)))
     True
     """
-    p = check_qkv(q, k, v)
-    check_no_causal(check_flag("causal", causal), "linformer_attention", _WHY_NOT_CAUSAL)
-    check_key_mask(p, key_mask, q)
-    scale = check_scale(scale, p.d)
+    p, scale, e, f = checked_linformer(q, k, v, e=e, f=f, proj_dim=proj_dim, seed=seed,
+                                      scale=scale, key_mask=key_mask, causal=causal)
     xp, wd = p.xp, p.work_dtype
-    if e is None:
-        if f is not None:
-            raise ValueError("f was given without e; pass e as well (or neither)")
-        proj_dim = check_positive_int("proj_dim", proj_dim)
-        e = xp_from_host(xp, linformer_projection(proj_dim, p.s, seed=seed),
-                         dtype=wd, device=p.device)
-    else:
-        _check_projection(p, "e", e, q)
-        e = xp.astype(e, wd, copy=False)
-    if f is None:
-        f = e
-    else:
-        _check_projection(p, "f", f, q)
-        if f.shape[-2] != e.shape[-2]:
-            raise ValueError(
-                f"e and f must project to the same m; got e {tuple(e.shape)}, "
-                f"f {tuple(f.shape)}"
-            )
-        f = xp.astype(f, wd, copy=False)
     if p.s == 0:
         return p.zeros()
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
@@ -168,18 +177,21 @@ def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, sca
     return xp.astype(out, p.dtype, copy=False)
 
 
+def host_to_q(q, x):
+    """A host (NumPy) ``x`` moved to ``q``'s namespace and device when ``q`` is not NumPy
+    (the uniform call's rule for ``e``/``f``); anything else as is."""
+    from ._xp import xp_device
+
+    if isinstance(x, np.ndarray) and not isinstance(q, np.ndarray):
+        xp = xp_namespace(check_array("q", q))
+        return xp_from_host(xp, x, dtype=q.dtype, device=xp_device(q))
+    return x
+
+
 def _linformer_call(q, k, v, /, *, e=None, f=None, **options):
     """Uniform-call adapter: host (NumPy) ``e``/``f`` arrays, e.g. read from an ``.npz``
     file, are moved to ``q``'s namespace and device; arrays of ``q``'s kind pass as is."""
-    from ._xp import xp_device
-
-    xp = xp_namespace(check_array("q", q))
-
-    def move(x):
-        if isinstance(x, np.ndarray) and not isinstance(q, np.ndarray):
-            return xp_from_host(xp, x, dtype=q.dtype, device=xp_device(q))
-        return x
-    return linformer_attention(q, k, v, e=move(e), f=move(f), **options)
+    return linformer_attention(q, k, v, e=host_to_q(q, e), f=host_to_q(q, f), **options)
 
 
 register(Variant(

@@ -23,7 +23,7 @@ from ._validate import (check_array, check_flag, check_key_mask, check_no_causal
 from ._xp import xp_device, xp_from_host
 from .registry import Variant, register
 
-__all__ = ["luna_attention"]
+__all__ = ["luna_attention", "checked_luna", "uniform_inputs"]
 
 _NOT_CAUSAL = (
     "every packed token P' attends to all s keys, and every output attends to every "
@@ -45,6 +45,35 @@ def _check_projection(p, name, w, ref, rows, cols_name):
             f"dimension of the packed sequence); got shape {tuple(w.shape)}"
         )
     return w
+
+
+def checked_luna(q, k, v, p, *, scale, causal, key_mask, unpack_key_proj,
+                 unpack_value_proj):
+    """The forward's checks, shared with the backward: ``(problem, pack problem, scale,
+    (q, k, v, p, W_K, W_V))``, the arrays in the working dtype (``W = None`` if absent)."""
+    prob = check_qkv(q, k, v)
+    check_no_causal(check_flag("causal", causal), "luna_attention", _NOT_CAUSAL)
+    check_key_mask(prob, key_mask, q)
+    p = check_array("p", p)
+    packp = check_qkv(p, k, v, names=("p", "k", "v"))
+    check_same_array_kind(prob.xp, "q", q, "p", p)
+    wk = _check_projection(prob, "unpack_key_proj", unpack_key_proj, q, prob.dv, "d")
+    wv = _check_projection(prob, "unpack_value_proj", unpack_value_proj, q, prob.dv,
+                           "dv2")
+    if wk is None and prob.dv != prob.d:
+        raise ValueError(
+            f"the unpack step attends with keys P' of dimension dv={prob.dv} but q has "
+            f"d={prob.d}; pass unpack_key_proj of shape (dv, d) = ({prob.dv}, {prob.d})"
+        )
+    if wk is not None and wk.shape[-1] != prob.d:
+        raise ValueError(
+            f"unpack_key_proj must map dv={prob.dv} to d={prob.d}; got shape "
+            f"{tuple(wk.shape)}"
+        )
+    scale = check_scale(scale, prob.d)
+    xp, wd = prob.xp, prob.work_dtype
+    return prob, packp, scale, tuple(None if x is None else xp.astype(x, wd, copy=False)
+                                     for x in (q, k, v, p, wk, wv))
 
 
 def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
@@ -128,30 +157,11 @@ def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
     >>> bool(np.allclose(const, 2.5))
     True
     """
-    prob = check_qkv(q, k, v)
-    check_no_causal(check_flag("causal", causal), "luna_attention", _NOT_CAUSAL)
+    prob, packp, scale, (wq, wk_, wv_, wp, proj_k, proj_v) = checked_luna(
+        q, k, v, p, scale=scale, causal=causal, key_mask=key_mask,
+        unpack_key_proj=unpack_key_proj, unpack_value_proj=unpack_value_proj)
     return_packed = check_flag("return_packed", return_packed)
-    check_key_mask(prob, key_mask, q)
-    p = check_array("p", p)
-    packp = check_qkv(p, k, v, names=("p", "k", "v"))
-    check_same_array_kind(prob.xp, "q", q, "p", p)
-    wk = _check_projection(prob, "unpack_key_proj", unpack_key_proj, q, prob.dv, "d")
-    wv = _check_projection(prob, "unpack_value_proj", unpack_value_proj, q, prob.dv,
-                           "dv2")
-    if wk is None and prob.dv != prob.d:
-        raise ValueError(
-            f"the unpack step attends with keys P' of dimension dv={prob.dv} but q has "
-            f"d={prob.d}; pass unpack_key_proj of shape (dv, d) = ({prob.dv}, {prob.d})"
-        )
-    if wk is not None and wk.shape[-1] != prob.d:
-        raise ValueError(
-            f"unpack_key_proj must map dv={prob.dv} to d={prob.d}; got shape "
-            f"{tuple(wk.shape)}"
-        )
-    scale = check_scale(scale, prob.d)
     xp, wd = prob.xp, prob.work_dtype
-    wq, wk_, wv_, wp, proj_k, proj_v = (None if x is None else xp.astype(x, wd, copy=False)
-                                        for x in (q, k, v, p, wk, wv))
     with entry(xp):
         if prob.s == 0:
             # No key: every packed token attends to nothing (zeros), and so every output
@@ -176,6 +186,13 @@ _UNIFORM_L = 16
 def _uniform_call(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
     """Registry adapter: ``P`` and (when ``dv != d``) ``W_K`` drawn on the host with
     ``numpy.random.default_rng(seed)`` (``seed`` a non-negative integer)."""
+    p, options = uniform_inputs(q, k, v, num_packed=num_packed, seed=seed, **options)
+    return luna_attention(q, k, v, p, **options)
+
+
+def uniform_inputs(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
+    """``(P, options)`` of the uniform call: ``P`` drawn, and ``W_K`` added to the
+    other options when ``dv != d`` and none is given (shared with the backward)."""
     prob = check_qkv(q, k, v)
     xp = prob.xp
     num_packed = check_positive_int("num_packed", num_packed)
@@ -185,8 +202,9 @@ def _uniform_call(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
                      device=xp_device(q))
     if dv != d and options.get("unpack_key_proj") is None:
         wk = rng.standard_normal((dv, d)) / np.sqrt(dv)
-        options["unpack_key_proj"] = xp_from_host(xp, wk, dtype=q.dtype, device=xp_device(q))
-    return luna_attention(q, k, v, p, **options)
+        options = {**options, "unpack_key_proj": xp_from_host(xp, wk, dtype=q.dtype,
+                                                              device=xp_device(q))}
+    return p, options
 
 
 register(Variant(

@@ -305,14 +305,22 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
         q, k, v, num_landmarks=num_landmarks, pinv=pinv, pinv_iters=pinv_iters,
         pinv_init=pinv_init, pinv_rtol=pinv_rtol, scale=scale, key_mask=key_mask,
         query_mask=query_mask, conv_kernel=conv_kernel, causal=causal)
-    with entry(p.xp):
-        if numpy_engine(p.xp, work_bytes):
+    xp = p.xp
+    with entry(xp):
+        # every row depends on every token through the landmarks: a non-finite one makes
+        # all rows NaN (and must not reach the SVD, which would raise)
+        bad_q, bad_kv = reference.nonfinite_rows(wq), reference.nonfinite_rows(wk, wv)
+        wq, (wk, wv) = (reference.drop_nonfinite(bad_q, wq),
+                        reference.drop_nonfinite(bad_kv, wk, wv))
+        if numpy_engine(xp, work_bytes):
             out = engine.nystrom_attention(wq, wk, wv, **options)
         else:
             out = reference.nystrom_attention(wq, wk, wv, **options)
         if kernel is not None:
             out = out + reference.depthwise_conv(wv, kernel, key_mask)
-    return p.xp.astype(out, p.dtype, copy=False)
+        bad = xp.any(bad_q, axis=-1) | xp.any(bad_kv, axis=-1)
+        out = reference.poison_rows(out, xp.broadcast_to(bad[..., None], out.shape[:-1]))
+    return xp.astype(out, p.dtype, copy=False)
 
 
 def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=None,

@@ -157,6 +157,9 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
         wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
         # padding may hold anything (NaN, inf): masked keys and values are zeroed once
         wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
+        # causal: a non-finite key or value reaches only the rows that see it
+        bad = reference.nonfinite_rows(wk, wv) if causal else None
+        wk, wv = (wk, wv) if bad is None else reference.drop_nonfinite(bad, wk, wv)
         omega = features.on(xp, dtype=wd, device=p.device)
         gerf_a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
                                 work_dtype=wd, device=p.device)
@@ -174,6 +177,8 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
             out = reference.performer_attention(
                 wq, wk, wv, omega, kind=kind, scale=scale, causal=causal,
                 key_mask=key_mask, gerf_a=gerf_a)
+        if bad is not None:
+            out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
     return xp.astype(out, p.dtype, copy=False)
 
 

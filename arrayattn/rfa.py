@@ -285,8 +285,12 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
                                     eps=eps, method=method, chunk_size=chunk_size)
         else:              # the gated scan: the reference form on every backend
             g = xp.broadcast_to(g, (*batch, p.n))
-            out = reference.gated_rfa(phi_q, phi_k, wv, g, key_mask=key_mask,
+            # a non-finite key, value or gate reaches only the rows that see it
+            bad = reference.nonfinite_rows(phi_k, wv, g[..., None])
+            phi_k, wv, g1 = reference.drop_nonfinite(bad, phi_k, wv, g[..., None])
+            out = reference.gated_rfa(phi_q, phi_k, wv, g1[..., 0], key_mask=key_mask,
                                       method=method, chunk_size=chunk_size, eps=eps)
+            out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
     return xp.astype(out, p.dtype, copy=False)
 
 

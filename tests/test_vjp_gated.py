@@ -228,23 +228,32 @@ def test_restart_gates_cut_the_gradient_exactly(name, method, rng):
 @pytest.mark.parametrize("bad", [np.nan, 0.5])
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", ["gla", "ssd"])
-def test_a_nan_gate_leaves_what_does_not_pass_through_it(name, method, bad, rng):
-    """A NaN (or positive: the forward makes it NaN) gate at token ``t``: ``dq`` before
-    ``t`` and ``dk``, ``dv`` from ``t`` on are those of any other gate there (nothing of
-    them passes through ``g_t``, as autodiff gives); the rest is NaN."""
+def test_a_bad_gate_drops_its_token_and_poisons_what_sees_it(name, method, bad, rng):
+    """The forward's rule (:mod:`arrayattn.reference.finite`): a NaN (or positive, which
+    the forward makes NaN) gate at token ``t`` drops the token and makes the rows from
+    ``t`` on NaN.  Backward: ``dq`` of the earlier rows is that of the token dropped, bit
+    for bit; ``dq`` from ``t`` on and every other gradient of that batch element are NaN
+    (autodiff through a NaN output row); the other batch elements are untouched."""
     q, k, v, do, opts, _ = _case(name, "plain", rng, n=29, method=method)
-    t = 13
-    clean = _vjp(name, q, k, v, do, opts)
-    g = opts[GATE[name]].copy()
-    g[_tok(name, t)] = bad
-    dirty = _vjp(name, q, k, v, do, {**opts, GATE[name]: g})
-    np.testing.assert_allclose(dirty["q"][..., :t, :], clean["q"][..., :t, :], rtol=1e-13,
-                               atol=1e-13 * np.max(np.abs(clean["q"])))
-    for key in ("k", "v"):
-        np.testing.assert_allclose(dirty[key][..., t:, :], clean[key][..., t:, :],
-                                   rtol=1e-13, atol=1e-13 * np.max(np.abs(clean[key])))
-    assert np.all(np.isnan(dirty["q"][..., t:, :]))
-    assert np.all(np.isnan(dirty["k"][..., :t, :]))
+    opts["initial_state"] = rng.standard_normal((3, 16, 8))
+    t, elem = 13, (0, 1)
+    gate = GATE[name]
+    g = opts[gate].copy()
+    g[elem + _tok(name, t)[1:]] = bad
+    dirty = _vjp(name, q, k, v, do, {**opts, gate: g})
+    kz, vz, gz = k.copy(), v.copy(), opts[gate].copy()
+    kz[elem + (t,)], vz[elem + (t,)], gz[elem + _tok(name, t)[1:]] = 0.0, 0.0, 0.0
+    dropped = _vjp(name, q, kz, vz, do, {**opts, gate: gz})
+    np.testing.assert_array_equal(dirty["q"][elem][:t], dropped["q"][elem][:t])
+    assert np.all(np.isnan(dirty["q"][elem][t:]))
+    assert all(np.all(np.isnan(dirty[key][elem])) for key in ("k", "v", gate))
+    # initial_state (3, dk, dv) is shared by the batch's first axis: head 1 summed over it
+    assert np.isnan(dirty["initial_state"]).any(axis=(-2, -1)).tolist() == [False, True,
+                                                                            False]
+    other = np.ones((2, 3), bool)
+    other[elem] = False
+    for key in ("q", "k", "v", gate):
+        np.testing.assert_array_equal(dirty[key][other], dropped[key][other])
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -14,11 +14,19 @@ from .._heads import group_heads
 from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
+from . import delta as _delta
 from . import exact as _exact
 from . import gated as _gated
+from . import kernel as _kernel
 from . import nystrom as _nystrom
+from . import linformer as _linformer, luna as _luna
 from .nystrom import pinv_vjp
-from .. import exact, gated, nystrom
+from .. import exact
+from .. import gated
+from .. import linformer
+from .. import luna
+from .. import nystrom
+from .. import kernel
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -30,11 +38,22 @@ TABLE = {
     exact.softmax_attention: _exact.softmax_attention_vjp,
     nystrom.nystrom_attention: _nystrom.nystrom_attention_vjp,    # nystrom_svd, _iterative
     nystrom.landmark_attention: _nystrom.landmark_attention_vjp,  # landmark
+    linformer.linformer_attention: _linformer.linformer_attention_vjp,
+    "linformer": _linformer.linformer_call_vjp,        # host e/f moved to q's library
+    luna.luna_attention: _luna.luna_attention_vjp,    # p passed as p=
+    "luna": _luna.luna_call_vjp,                      # p (and W_K) drawn from seed
+    gated.delta_attention: _delta.delta_attention_vjp,
+    gated.gated_delta_attention: _delta.gated_delta_attention_vjp,
+    "deltanet": _delta.deltanet_vjp,                              # beta drawn from seed
+    "gated_deltanet": _delta.gated_deltanet_vjp,                  # beta, g drawn from seed
+    kernel.linear_attention: _kernel.linear_attention_vjp,        # linear_elu, _relu, ...
+    kernel.feature_attention: _kernel.feature_attention_vjp,
+    kernel.efficient_attention: _kernel.efficient_attention_vjp,  # efficient
     gated.retention: _gated.retention_vjp,                        # retention
-    gated.gla_attention: _gated.gla_attention_vjp,
-    gated.ssd_attention: _gated.ssd_attention_vjp,
-    "gla": _gated.gla_call_vjp,                                   # gates drawn from seed
-    "ssd": _gated.ssd_call_vjp,
+    gated.gla_attention: _gated.gla_attention_vjp,                # g passed as g=
+    gated.ssd_attention: _gated.ssd_attention_vjp,                # a passed as a=
+    "gla": _gated.gla_call_vjp,                                   # g drawn from seed
+    "ssd": _gated.ssd_call_vjp,                                   # a drawn from seed
 }
 
 
@@ -83,7 +102,8 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
         options = {**rec.defaults, **options}
         if rec.prepare is not None:
             options = rec.prepare(q, options)
-    _check_cotangent(q, k, v, do)
+    _check_cotangent(q, k, v, do, *(adapter.output(options) if hasattr(adapter, "output")
+                                    else ({}, None)))
     grouped = group_heads(q, k, v, options) if hasattr(q, "shape") else None
     if grouped is None:
         grads = adapter(q, k, v, do, **options)
@@ -92,7 +112,8 @@ def vjp(variant, q, k, v, do, /, **options) -> dict:
         xp = xp_namespace(q, do)
         dog = xp.reshape(do, (*qg.shape[:-2], *do.shape[-2:]))
         grads = adapter(qg, kg, vg, dog, **opts)
-    return _like_arguments(grads, {"q": q, "k": k, "v": v, **options})
+    names = getattr(adapter, "argument_names", ("q", "k", "v"))   # e.g. phi_q, phi_k, v
+    return _like_arguments(grads, {**dict(zip(names, (q, k, v))), **options})
 
 
 def _resolve(variant):
@@ -109,7 +130,9 @@ def has_backward(variant) -> bool:
     return _resolve(variant)[2] is not None
 
 
-def _check_cotangent(q, k, v, do):
+def _check_cotangent(q, k, v, do, extra, dv):
+    """``do`` must have the output's shape; ``extra``: other arrays (by name) whose batch
+    axes broadcast into the output, ``dv``: its last axis when it is not ``v``'s."""
     check_array("do", do)
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x, min_ndim=2)
@@ -117,12 +140,16 @@ def _check_cotangent(q, k, v, do):
     check_same_array_kind(xp, "q", q, "do", do)
     if not xp.isdtype(do.dtype, "real floating"):
         raise TypeError(f"do must have a real floating dtype; got {do.dtype}")
-    lead = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2])}
+    lead = {"q": tuple(q.shape[:-2]), "k": tuple(k.shape[:-2]), "v": tuple(v.shape[:-2]),
+            **{name: tuple(x.shape[:-2]) for name, x in extra.items()
+               if getattr(x, "ndim", 0) >= 2}}
     hq, hk = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 and k.ndim >= 3 else (0, 0)
     if hk and hq != hk and hk != 1 and hq % hk == 0:       # grouped-query heads
         lead["k"] = lead["v"] = (*lead["k"][:-1], 1)
+        lead.update({name: (*x[:-1], 1) for name, x in lead.items()     # per key head
+                     if name not in ("q", "k", "v") and x and x[-1] == hk})
     batch = broadcast_batch(list(lead.items()))
-    expected = (*batch, q.shape[-2], v.shape[-1])
+    expected = (*batch, q.shape[-2], v.shape[-1] if dv is None else dv)
     if tuple(do.shape) != expected:
         raise ValueError(f"do must have the output's shape {expected}; got shape "
                          f"{tuple(do.shape)}")
@@ -133,6 +160,9 @@ def _like_arguments(grads: dict, arguments: dict) -> dict:
     out = {}
     for name, g in grads.items():
         arg = arguments[name]
+        if not hasattr(g, "shape"):      # a structured cotangent (LinearAttentionState)
+            out[name] = g
+            continue
         xp = xp_namespace(arg, g)
         if tuple(g.shape) != tuple(arg.shape):
             g = xp.reshape(g, tuple(arg.shape))

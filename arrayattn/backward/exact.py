@@ -2,6 +2,8 @@
 every option)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import reference
 from .._engine import entry, numpy_engine
 from .._numpy import exact_vjp as engine
@@ -26,11 +28,12 @@ def softmax_attention_vjp(q, k, v, do, /, *, return_lse=False, **options):
     if p.s == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
-    wq, wk, wv = working_qkv(p, q, k, v, lg.key_mask)
+    wq, wk, wv, bad = working_qkv(p, q, k, v, lg.key_mask)
+    lg = replace(lg, poison=bad)
     wdo = xp.astype(do, p.work_dtype, copy=False)
     with entry(xp):
         if (lg.plain and lg.bias is None and call.dropout is None
-                and numpy_engine(xp, p.n * p.s * 4)):
+                and numpy_engine(xp, p.n * p.s * 4) and not xp.any(bad)):
             grads = engine.vjp(wq, wk, wv, wdo, scale=lg.scale, causal=lg.right == 0,
                                key_mask=lg.key_mask, mask=lg.mask)
         elif call.block_size is not None:

@@ -43,6 +43,11 @@ def _gated_vjp(q, k, v, do, gate, *, causal, key_mask, method, chunk_size, scale
         wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
         wg = xp.where(key_mask[..., None], wg, 0.0)
         keep = keep & key_mask[..., None]
+    # the forward's rule: a token with a non-finite key or value or a NaN gate is dropped
+    # and the rows from it on are NaN (reference.finite): their gradients below too
+    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(wg), axis=-1)
+    wk, wv = reference.drop_nonfinite(bad, wk, wv)
+    wg = xp.where(bad[..., None], 0.0, wg)
     wdo = xp.astype(do, wd, copy=False)
     if p.n == 0:
         grads = {"q": wq, "k": wk, "v": wv, "g": wg, "initial_state": s0}
@@ -58,7 +63,7 @@ def _gated_vjp(q, k, v, do, gate, *, causal, key_mask, method, chunk_size, scale
         grads["k"], grads["v"] = reference.zero_masked_keys(key_mask, grads["k"],
                                                             grads["v"])
     grads["g"] = xp.where(keep, grads["g"], 0.0)
-    return grads
+    return reference.poison_prefix_grads(grads, bad, p.n)
 
 
 def _shaped(grads, args):

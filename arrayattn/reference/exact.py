@@ -13,7 +13,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .logits import Logits, tile_logits
-from .masks import softmax_lse, visible_rows
+from .masks import log_total, softmax_lse, visible_rows
 
 __all__ = ["softmax_attention", "softmax_attention_blockwise", "attention",
            "attention_blockwise", "dropped", "key_blocks"]
@@ -66,7 +66,7 @@ def attention_blockwise(q, k, v, lg: Logits, *, block_size: int, dropout=None):
             acc = pv + (0.0 if m is None else corr * acc)
             m = m_new
         outputs.append(acc / xp.where(l > 0, l, 1.0))
-        lses.append(xp.where(l > 0, xp.log(xp.where(l > 0, l, 1.0)) + m, -xp.inf)[..., 0])
+        lses.append(log_total(l, m)[..., 0])
     return xp.concat(outputs, axis=-2), xp.concat(lses, axis=-1)
 
 

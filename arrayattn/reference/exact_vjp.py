@@ -47,7 +47,7 @@ def _tile_grads(lg: Logits, q, k, v, do, delta, lse, dropout, i0, i1, j0, j1):
     """One tile's ``(dS, dQ_i, dK_j, dV_j)``, ``P`` recomputed from ``L``."""
     xp = array_namespace(q, k, v, do)
     x, allowed, slope = tile_logits(lg, q, k, i0, i1, j0, j1, slope=True)
-    visible = xp.isfinite(lse[..., i0:i1, None])
+    visible = lse[..., i0:i1, None] != -xp.inf      # an empty row; a NaN row stays NaN
     visible = visible if allowed is None else (allowed & visible)
     shifted = xp.where(visible, x - xp.where(visible, lse[..., i0:i1, None], 0.0), -xp.inf)
     p = xp.exp(shifted)

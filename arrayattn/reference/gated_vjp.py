@@ -81,11 +81,12 @@ dimension ``O(n d)`` per halving level) and one ``dk x dv`` state per scan; no
 ``n x n`` matrix, no state per chunk is kept.  Every decay exponentiated is a sum of log
 gates ``<= 0`` over a stretch, as in the forward.
 
-**NaN gates.**  A NaN gate at token ``t`` (or a positive one, which the public functions
-turn into NaN) makes every output from ``t`` on NaN, hence: ``dq`` of the tokens before
-``t`` and ``dk``, ``dv`` of the tokens from ``t`` on are unaffected (as autodiff gives:
-nothing of them passes through ``g_t``), and every other gradient -- ``dq`` from ``t``
-on, ``dk``, ``dv`` before ``t``, every ``dg`` and ``dS_0`` -- is NaN.
+**NaN gates.**  Called directly, these forms differentiate what they are given: a NaN
+gate at token ``t`` leaves ``dq`` before ``t`` and ``dk``, ``dv`` from ``t`` on as they
+are (nothing of them passes through ``g_t``) and makes every other gradient NaN.  The
+public vjp follows the forward's rule instead (:mod:`arrayattn.reference.finite`): such a
+token (or one with a non-finite key or value) is dropped before these forms run, ``dq`` of
+the rows that see it is NaN and every other gradient of that batch element is NaN.
 
 Array API only, no host reads, no in-place updates; the loops over tokens and chunks are
 :func:`~arrayattn.reference.scan.scan` (``jax.lax.scan`` on JAX).

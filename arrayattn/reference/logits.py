@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 from array_api_compat import array_namespace, device
 
+from .finite import poisoned_logits
+
 __all__ = ["Logits", "tile_logits", "segment_ids"]
 
 
@@ -35,7 +37,10 @@ class Logits:
     ``segments`` is ``(seg_q (n,), seg_k (s,))`` integer arrays for packed sequences.
     ``left``/``right`` ``None`` = unbounded.  ``heads`` is the number of batch axes that
     index heads for ``score_mod``/``mask_mod`` and ALiBi (the axes after the first batch
-    axis; grouped-query heads are two axes that flatten to the query head).
+    axis; grouped-query heads are two axes that flatten to the query head).  ``poison``
+    ``(..., s)`` marks the keys whose key or value row is not finite (zeroed by the
+    caller): their logits column is NaN, so exactly the rows that see them are NaN
+    (:mod:`arrayattn.reference.finite`).
     """
 
     scale: float
@@ -52,6 +57,7 @@ class Logits:
     mask_mod: Callable | None = None
     segments: tuple | None = None
     heads: tuple = ()
+    poison: Any = None
 
     @property
     def plain(self) -> bool:
@@ -110,6 +116,8 @@ def tile_logits(lg: Logits, q, k, i0: int, i1: int, j0: int, j1: int, *, slope=F
         x = x + lg.bias[..., i0:i1, j0:j1]
     if lg.alibi_slopes is not None:
         x = x - lg.alibi_slopes[..., None, None] * xp.astype(xp.abs(diag - cols), x.dtype)
+    if lg.poison is not None:
+        x = poisoned_logits(x, lg.poison[..., j0:j1])
     visible = []
     if lg.left is not None:
         visible.append(cols >= diag - lg.left)

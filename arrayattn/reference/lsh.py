@@ -230,7 +230,7 @@ def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int
         shift = xp.where(new_top == -xp.inf, 0.0, new_top)
         old, new = xp.exp(top - shift), xp.exp(z - shift)
         total, acc, top = total * old + new, acc * old[..., None] + o * new[..., None], new_top
-    has_key = total > 0
+    has_key = total != 0          # a NaN total (a row that saw a NaN) stays NaN
     out = acc / xp.where(has_key, total, 1.0)[..., None]
     # A token with no other key in any round attends to itself (zeros if padded).
     return xp.reshape(xp.where(has_key[..., None], out, v3), (*batch, n, dv))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
+from .finite import drop_nonfinite, nonfinite_rows, poisoned_logits
+
 __all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys", "attend",
-           "softmax_lse", "visible_rows"]
+           "softmax_lse", "log_total", "visible_rows"]
 
 
 def causal_mask(xp, n: int, s: int, *, device, shift: int | None = None, row0: int = 0,
@@ -72,8 +74,14 @@ def softmax_lse(x, allowed=None):
     m = xp.where(m == -xp.inf, 0.0, m)
     e = xp.exp(x - m)
     total = xp.sum(e, axis=-1, keepdims=True)
-    safe = xp.where(total > 0, total, 1.0)
-    return e / safe, xp.where(total > 0, xp.log(safe) + m, -xp.inf)[..., 0]
+    return e / xp.where(total > 0, total, 1.0), log_total(total, m)[..., 0]
+
+
+def log_total(total, m):
+    """``log(total) + m``, the log-sum-exp of a row max-shifted by ``m``: ``-inf`` for an
+    empty row (``total = 0``), NaN for a row that saw a NaN (never taken for empty)."""
+    xp = array_namespace(total, m)
+    return xp.where(total == 0, -xp.inf, xp.log(xp.where(total > 0, total, 1.0)) + m)
 
 
 def visible_rows(v, allowed):
@@ -88,6 +96,8 @@ def attend(scores, v, allowed=None):
     """``(softmax(scores) @ v, lse)`` over the ``allowed`` keys: the output and the
     log-sum-exp of the allowed scores ``(..., n)`` (``-inf`` for a row with no allowed
     key, whose output is 0).  The log-sum-exps let partial attentions over disjoint key
-    sets be merged exactly (the online-softmax merge)."""
-    p, lse = softmax_lse(scores, allowed)
-    return p @ visible_rows(v, allowed), lse
+    sets be merged exactly (the online-softmax merge).  A value row that is not finite
+    makes NaN exactly the rows that see it (:mod:`arrayattn.reference.finite`)."""
+    bad = nonfinite_rows(v)
+    p, lse = softmax_lse(poisoned_logits(scores, bad), allowed)
+    return p @ visible_rows(drop_nonfinite(bad, v), allowed), lse

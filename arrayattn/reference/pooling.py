@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
+from .finite import drop_nonfinite, nonfinite_rows, poison_rows
 from .sparse import sparse_attention
 
 __all__ = ["pool_intervals", "pooling_attention"]
@@ -24,11 +25,16 @@ __all__ = ["pool_intervals", "pooling_attention"]
 
 def pool_intervals(x, keep, *, pool="mean"):
     """``x (..., s, c)`` pooled over the intervals ``keep (..., m, s)`` (boolean: the real
-    keys of each interval): ``(..., m, c)``; an empty interval pools to 0."""
+    keys of each interval): ``(..., m, c)``; an empty interval pools to 0, an interval
+    holding a non-finite row to NaN (and no other interval: see
+    :mod:`arrayattn.reference.finite`)."""
     xp = array_namespace(x, keep)
     count = xp.sum(xp.astype(keep, x.dtype), axis=-1)[..., None]          # (..., m, 1)
     if pool == "mean":
-        return (xp.astype(keep, x.dtype) @ x) / xp.where(count > 0, count, 1.0)
+        bad = nonfinite_rows(x)
+        total = xp.astype(keep, x.dtype) @ drop_nonfinite(bad, x)
+        return poison_rows(total / xp.where(count > 0, count, 1.0),
+                           xp.any(keep & bad[..., None, :], axis=-1))
     top = xp.max(xp.where(keep[..., None], x[..., None, :, :], -xp.inf), axis=-2)
     return xp.where(count > 0, top, 0.0)
 

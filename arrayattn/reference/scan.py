@@ -94,7 +94,7 @@ def _namespace(xs, carry):
 
 def _take(x, i: int, axis: int):
     axis = axis % x.ndim
-    return x[(slice(None),) * axis + (i, ...)]
+    return x[(slice(None),) * axis + (i, ...)]   # array-api-strict wants the ellipsis
 
 
 def _map(fn, ys):

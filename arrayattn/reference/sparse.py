@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
-from .masks import attend, masked_softmax
+from .masks import attend, log_total
 
 __all__ = ["sparse_attention", "gathered_attention", "merge_attention"]
 
@@ -24,7 +24,7 @@ def sparse_attention(q, k, v, allowed, *, scale, bias=None):
     pairs, times ``V``; a query with no allowed key returns zeros.  Memory ``O(n s)``."""
     xp = array_namespace(q, k, v)
     scores = (q * scale) @ xp.matrix_transpose(k)
-    return masked_softmax(scores if bias is None else scores + bias, allowed) @ v
+    return attend(scores if bias is None else scores + bias, v, allowed)[0]
 
 
 def gathered_attention(q, k, v, idx, allowed, bias=None):
@@ -53,4 +53,4 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     total = wa + wb
     safe = xp.where(total > 0, total, 1.0)
     out = out_a * (wa / safe)[..., None] + out_b * (wb / safe)[..., None]
-    return out, xp.where(total > 0, xp.log(safe) + m, -xp.inf)
+    return out, log_total(total, m)

@@ -1,0 +1,87 @@
+r"""Non-finite keys and values reach only the rows that see them.
+
+A key or value that holds a NaN or an infinity (an unwritten KV-cache slot, a bad gate)
+must change exactly the outputs of the queries that may see it, and nothing else.  Inside
+a product it cannot be kept apart: ``0 * nan`` is NaN, so a future value multiplied by a
+zero weight still poisons an earlier row.  The rule every form follows is therefore
+
+.. math::
+
+    \text{bad}_j = \lnot\operatorname{isfinite}(k_j, v_j, \ldots), \qquad
+    k_j, v_j \leftarrow 0 \text{ where bad}_j, \qquad
+    o_i \leftarrow \text{NaN where } \exists j \text{ visible to } i:\ \text{bad}_j,
+
+i.e. the bad rows are taken out *before* any arithmetic and the rows that see one are
+marked NaN *after* it: a row that sees a non-finite key or value is NaN in full (as a
+NaN key already makes it), every other row is exactly what it would be without that token.
+Softmax forms mark the logits column instead (:func:`poisoned_logits`), so the backward
+sees the same NaN rows.
+"""
+from __future__ import annotations
+
+from array_api_compat import array_namespace, device
+
+__all__ = ["nonfinite_rows", "drop_nonfinite", "seen_by_prefix", "poison_rows",
+           "poisoned_logits", "poison_prefix_grads"]
+
+
+def nonfinite_rows(*arrays):
+    """``(..., s)`` bool: token ``j`` holds a NaN or an infinity in any of ``arrays``
+    (each ``(..., s, c)``; the results broadcast)."""
+    xp = array_namespace(*arrays)
+    bad = None
+    for x in arrays:
+        row = ~xp.all(xp.isfinite(x), axis=-1)
+        bad = row if bad is None else (bad | row)
+    return bad
+
+
+def drop_nonfinite(bad, *arrays):
+    """Each ``x (..., s, c)`` with the rows where ``bad (..., s)`` set to 0 (``where``,
+    not a product)."""
+    xp = array_namespace(bad, *arrays)
+    out = tuple(xp.where(bad[..., None], 0.0, x) for x in arrays)
+    return out if len(out) != 1 else out[0]
+
+
+def seen_by_prefix(bad, n: int):
+    """``(..., n)`` bool: query ``i`` sees a bad key under end-aligned causal masking
+    (``j <= i + s - n``, ``s = bad.shape[-1]``)."""
+    xp = array_namespace(bad)
+    s = bad.shape[-1]
+    upto = xp.cumulative_sum(xp.astype(bad, xp.int32), axis=-1) > 0     # any bad j <= t
+    if n <= s:
+        return upto[..., s - n:]
+    early = xp.zeros((*bad.shape[:-1], n - s), dtype=xp.bool, device=device(bad))
+    return xp.concat([early, upto], axis=-1)                  # the first n - s see no key
+
+
+def poison_rows(out, seen):
+    """``out (..., n, c)`` with NaN in the rows where ``seen (..., n)``."""
+    xp = array_namespace(out, seen)
+    return xp.where(seen[..., None], xp.nan, out)
+
+
+def poisoned_logits(x, bad):
+    """Logits ``x (..., n, s)`` with NaN in the columns of bad keys: applied before the
+    visibility mask, so exactly the rows that see a bad key become NaN (forward and
+    backward), and the bad key itself has been zeroed."""
+    xp = array_namespace(x, bad)
+    return xp.where(bad[..., None, :], xp.nan, x)
+
+
+def poison_prefix_grads(grads: dict, bad, n: int, *, queries=("q",)) -> dict:
+    """The gradients of a causal call whose tokens ``bad (..., s)`` were dropped, as
+    autodiff of the NaN rows gives them: a query-side gradient ``(..., n, c)`` NaN in the
+    rows that see a bad token; every other gradient NaN in full for a batch element that
+    has one (the last row sees every key, and it is NaN).  Earlier rows keep theirs."""
+    xp = array_namespace(bad)
+    seen, anywhere = seen_by_prefix(bad, n), xp.any(bad, axis=-1)
+    out = {}
+    for name, g in grads.items():
+        if name in queries:
+            out[name] = poison_rows(g, seen)
+        else:
+            flag = xp.reshape(anywhere, (*anywhere.shape, *(1,) * (g.ndim - anywhere.ndim)))
+            out[name] = xp.where(flag, xp.nan, g)
+    return out
