@@ -18,7 +18,8 @@ __all__ = ["grouped_query_heads", "group_heads"]
 #: (``gamma``: retention's decays, one per head on its last axis).
 _BATCHED_OPTIONS = {"key_mask": 1, "query_mask": 1, "mask": 2, "bias": 2, "gamma": 0,
                     "dropout_mask": 2, "alibi_slopes": 0, "conv_kernel": 1,
-                    "e": 2, "f": 2, "p": 2, "unpack_key_proj": 2, "unpack_value_proj": 2}
+                    "e": 2, "f": 2, "p": 2, "unpack_key_proj": 2, "unpack_value_proj": 2,
+                    "gate": 1}
 #: Per-head options whose head axis is there without any batch axis before it
 #: (Nyströmformer's ``conv_kernel (H, K)``, one kernel per head; Linformer's ``e``, ``f``
 #: ``(H, m, s)``; Luna's ``p (H, l, d)`` and unpack projections ``(H, dv, d)``).

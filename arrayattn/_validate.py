@@ -37,6 +37,12 @@ class Problem:
     def out_shape(self) -> tuple:
         return (*self.batch, self.n, self.dv)
 
+    @property
+    def empty(self) -> bool:
+        """No key, no query or no batch element (zero heads): the output is
+        :meth:`zeros` whatever the variant computes."""
+        return self.n == 0 or self.s == 0 or 0 in self.batch
+
     def zeros(self):
         """The output of a call with no keys (``s = 0``): every query attends to nothing,
         so it returns zeros (the empty-row convention)."""

@@ -81,6 +81,18 @@ def xp_from_host(xp, array: np.ndarray, *, dtype, device):
     return out if out.dtype == dtype else xp.astype(out, dtype)
 
 
+def host_values(x):
+    """A small array's values on the host, for validating parameters (a few decays, say)
+    the way a list is validated; ``None`` for a traced JAX array, whose values do not
+    exist yet (its checks then happen in the computation)."""
+    try:
+        return np.asarray(to_numpy(x), dtype=np.float64)
+    except Exception as exc:        # jax.errors.TracerArrayConversionError and kin
+        if "Tracer" in type(exc).__name__ or "Tracer" in str(exc)[:200]:
+            return None
+        raise
+
+
 def to_numpy(x) -> np.ndarray:
     """Copy any supported array to a NumPy array on the host (testing, CLI, reports).
 

@@ -136,7 +136,7 @@ def ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False, scale
     >>> bool(np.allclose(out, softmax_attention(q, k, v, causal=True), atol=1e-5))
     True
     """
-    from ._validate import check_qkv, check_scale
+    from ._validate import check_flag, check_qkv, check_scale
     p_ = check_qkv(q, k, v)
     if p_.n != p_.s:
         raise ValueError(f"ring_attention is self-attention (n == s); got n={p_.n}, s={p_.s}")
@@ -144,8 +144,8 @@ def ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False, scale
     if p_.n % p:
         raise ValueError(f"n={p_.n} must be a multiple of the {p} devices of axis "
                          f"{axis_name!r}")
-    return _ring_program(mesh, axis_name, bool(causal), check_scale(scale, p_.d),
-                         q.ndim)(q, k, v)
+    return _ring_program(mesh, axis_name, check_flag("causal", causal),
+                         check_scale(scale, p_.d), q.ndim)(q, k, v)
 
 
 @functools.lru_cache(maxsize=64)

@@ -30,7 +30,7 @@ from . import reference
 from ._engine import entry
 from ._validate import (Problem, check_array, check_choice, check_flag, check_key_mask,
                         check_positive_int, check_qkv, check_same_array_kind, check_seed)
-from ._xp import xp_from_host
+from ._xp import host_values, xp_from_host
 from .registry import Variant, register
 
 __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
@@ -75,20 +75,37 @@ def _check_gate(p: Problem, name: str, x, q, *, per_dim: bool):
     return x if per_dim else x[..., None]
 
 
+def _check_decays(host, shown):
+    """Retention's decays must lie in ``(0, 1]`` (a NaN or a growth is refused here,
+    not turned into NaN outputs)."""
+    if not np.all((host > 0) & (host <= 1)):
+        bad = host[~((host > 0) & (host <= 1))].ravel()[:4]
+        raise ValueError(f"gamma must be decays in (0, 1]; got {shown!r} (entries such as "
+                         f"{bad.tolist()})")
+
+
 def _check_state(p: Problem, state, q):
     if state is None:
         return p.xp.zeros((*p.batch, p.d, p.dv), dtype=p.work_dtype, device=p.device)
     check_array("initial_state", state)
     check_same_array_kind(p.xp, "q", q, "initial_state", state)
-    if state.ndim < 2 or tuple(state.shape[-2:]) != (p.d, p.dv):
-        raise ValueError(f"initial_state must have shape (..., dk, dv) = (..., {p.d}, "
-                         f"{p.dv}); got shape {tuple(state.shape)}")
+    if not p.xp.isdtype(state.dtype, "real floating"):
+        raise TypeError(f"initial_state must have a real floating dtype (it is not cast); "
+                        f"got {state.dtype}")
+    lead = tuple(state.shape[:-2])
+    if (state.ndim < 2 or tuple(state.shape[-2:]) != (p.d, p.dv) or len(lead) > len(p.batch)
+            or any(a not in (1, b) for a, b in zip(reversed(lead), reversed(p.batch)))):
+        raise ValueError(f"initial_state must have shape (..., dk, dv) broadcastable to the "
+                         f"batch: (*{p.batch}, {p.d}, {p.dv}); got shape "
+                         f"{tuple(state.shape)}")
     zeros = p.xp.zeros((*p.batch, p.d, p.dv), dtype=p.work_dtype, device=p.device)
     try:
         return zeros + p.xp.astype(state, p.work_dtype, copy=False)
     except Exception as exc:   # a batch that does not broadcast
         raise ValueError(f"initial_state of shape {tuple(state.shape)} does not broadcast "
-                         f"to the batch {p.batch}") from exc
+                         f"to (*batch, dk, dv) = {(*p.batch, p.d, p.dv)}: its leading axes "
+                         f"{tuple(state.shape[:-2])} must broadcast to the batch "
+                         f"{p.batch}") from exc
 
 
 def checked_gated(q, k, v, *, causal, key_mask, method, chunk_size, scale, initial_state,
@@ -239,16 +256,23 @@ def retention_log_gates(q, k, v, gamma):
     """``log gamma`` checked and laid out as one gate per token ``(..., H, n, 1)``."""
     p = check_qkv(q, k, v)
     xp = p.xp
-    if gamma is None:
-        gamma = retention_gammas(q.shape[-3] if q.ndim >= 3 else 1)
+    if gamma is None:     # (an empty batch of no heads takes one decay, for its shape)
+        gamma = retention_gammas(max(q.shape[-3], 1) if q.ndim >= 3 else 1)
     if isinstance(gamma, (numbers.Real, list, tuple, np.ndarray)):   # host numbers
-        host = np.asarray(gamma, dtype=np.float64)
-        if not np.all((host > 0) & (host <= 1)):
-            raise ValueError(f"gamma must be decays in (0, 1]; got {gamma!r}")
+        host = np.asarray(gamma)
+        if isinstance(gamma, bool) or host.dtype.kind not in "iuf":
+            raise TypeError(f"gamma must hold real numbers; got {gamma!r}")
+        host = host.astype(np.float64)
+        _check_decays(host, gamma)
         gamma = xp_from_host(xp, host, dtype=p.work_dtype, device=p.device)
     else:
         check_array("gamma", gamma)
         check_same_array_kind(xp, "q", q, "gamma", gamma)
+        if not xp.isdtype(gamma.dtype, ("real floating", "integral")):
+            raise TypeError(f"gamma must hold real numbers; got dtype {gamma.dtype}")
+        host = host_values(gamma)           # a few decays: read once, like a list
+        if host is not None:
+            _check_decays(host, f"an array of shape {tuple(gamma.shape)}")
         gamma = xp.astype(gamma, p.work_dtype, copy=False)
     # one gate per head: (..., H) -> (..., H, 1, 1), the same at every token
     g = xp.log(gamma)
@@ -511,7 +535,7 @@ def _log_sigmoid(x):
 def _default_gammas(q, options: dict) -> dict:
     """RetNet's per-head decays for ``q``'s heads, resolved before grouped-query heads
     split them (query head ``h`` keeps ``gamma_h``)."""
-    if options.get("gamma") is not None or getattr(q, "ndim", 0) < 3:
+    if options.get("gamma") is not None or getattr(q, "ndim", 0) < 3 or q.shape[-3] == 0:
         return options
     from array_api_compat import array_namespace
     xp = array_namespace(q)

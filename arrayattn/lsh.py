@@ -17,8 +17,8 @@ import numpy as np
 
 from . import reference
 from ._engine import dense_reference, entry
-from ._validate import (Problem, check_flag, check_key_mask, check_positive_int, check_qkv,
-                        check_same_array_kind, check_scale, check_seed)
+from ._validate import (Problem, check_array, check_flag, check_key_mask, check_positive_int,
+                        check_qkv, check_same_array_kind, check_scale, check_seed)
 from ._xp import xp_from_host
 from .registry import Variant, register
 
@@ -269,7 +269,7 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
     scale = check_scale(scale, p.d)
     causal = check_flag("causal", causal)
     dedup = check_flag("dedup", dedup)
-    if p.n == 0:
+    if p.n == 0 or math.prod(p.batch) == 0:    # no tokens, or an empty batch (no heads)
         return p.zeros()
     xp = p.xp
     batch = math.prod(p.batch) * H
@@ -283,7 +283,14 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
 
 
 def _uniform_call(q, k, v, /, **options):
-    """Registry adapter: ``q`` is the shared ``qk``; ``k`` is ignored."""
+    """Registry adapter: ``q`` is the shared ``qk``; ``k`` is ignored, but it must have
+    ``q``'s shape (a ``k`` of another shape is a call meant for another variant)."""
+    check_qkv(q, q, v, names=("q", "q", "v"))    # name q, the argument the caller passed
+    check_array("k", k)
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"lsh is shared-QK attention: the uniform call uses q as qk and "
+                         f"ignores k, so k must have q's shape {tuple(q.shape)}; got "
+                         f"{tuple(k.shape)} (call arrayattn.lsh_attention(qk, v) directly)")
     return lsh_attention(q, v, **options)
 
 

@@ -148,7 +148,7 @@ def _prepare(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, causal, 
     check_key_mask(p, key_mask, q)
     _check_query_mask(p, query_mask, q)
     m = check_positive_int("num_landmarks", num_landmarks)
-    if m > min(p.n, p.s):
+    if m > min(p.n, p.s) and min(p.n, p.s) > 0:   # no tokens: zeros, whatever m
         raise ValueError(
             f"{variant}: num_landmarks={m} exceeds the number of queries n={p.n} or keys "
             f"s={p.s}; each landmark is the mean of at least one token (use m <= "
@@ -306,6 +306,8 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
         pinv_init=pinv_init, pinv_rtol=pinv_rtol, scale=scale, key_mask=key_mask,
         query_mask=query_mask, conv_kernel=conv_kernel, causal=causal)
     xp = p.xp
+    if p.empty:
+        return p.zeros()
     with entry(xp):
         # every row depends on every token through the landmarks: a non-finite one makes
         # all rows NaN (and must not reach the SVD, which would raise)
@@ -367,6 +369,8 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
     p, (wq, wk, wv), options, work_bytes = checked_landmark(
         q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
         query_mask=query_mask, causal=causal)
+    if p.empty:
+        return p.zeros()
     with entry(p.xp):
         if numpy_engine(p.xp, work_bytes):
             out = engine.landmark_attention(wq, wk, wv, **options)

@@ -44,6 +44,33 @@ from .registry import Variant, register
 __all__ = ["performer_attention"]
 
 
+def checked_performer(q, k, v, /, *, features, num_features, kind, projection, norms,
+                      seed, scale, causal, key_mask):
+    """The validation of :func:`performer_attention` (shared with its backward):
+    ``(problem, kind, scale, causal, RandomFeatures)``."""
+    p = check_qkv(q, k, v)
+    check_key_mask(p, key_mask, q)
+    kind = check_kind(kind)
+    scale = check_scale(scale, p.d)
+    causal = check_flag("causal", causal)
+    if features is None:
+        check_choice("projection", projection, PROJECTIONS)
+        if num_features is None:
+            num_features = p.d if projection == "identity" else 256
+        check_positive_int("num_features", num_features)
+        check_choice("norms", norms, NORMS)
+        seed = check_seed(seed)
+        if projection == "identity" and num_features != p.d:
+            raise ValueError(
+                f"projection='identity' (no random projection) has m = d = {p.d} rows; got "
+                f"num_features={num_features} (pass num_features={p.d})")
+        features = RandomFeatures.draw(p.d, num_features, projection=projection,
+                                       norms=norms, seed=seed)
+    else:
+        features = as_features(features, p.d)
+    return p, kind, scale, causal, features
+
+
 def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="positive",
                         projection="orthogonal", norms="chi", seed=0, scale=None,
                         causal=False, key_mask=None, gerf_a=None):
@@ -69,7 +96,8 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
     features : RandomFeatures or array ``(m, d)``, optional
         The projection ``ω``; a caller's (or a peer's) matrix is replayed exactly.  When
         given, ``num_features``, ``projection``, ``norms`` and ``seed`` are ignored.  One
-        projection is shared by every batch element and head.
+        projection is shared by every batch element and head.  The backward
+        (:func:`arrayattn.vjp`) treats it, like a drawn one, as a constant: no cotangent.
     num_features : int, optional
         ``m``, the number of random rows when ``features`` is not given (``None``: 256;
         with ``projection="identity"`` ``m = d``, and another value is an error).
@@ -129,26 +157,10 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
     >>> bool(np.allclose(c[:, 0], v[:, 0]))  # the first query sees only the first key
     True
     """
-    p = check_qkv(q, k, v)
-    check_key_mask(p, key_mask, q)
-    kind = check_kind(kind)
-    scale = check_scale(scale, p.d)
-    causal = check_flag("causal", causal)
-    if features is None:
-        check_choice("projection", projection, PROJECTIONS)
-        if num_features is None:
-            num_features = p.d if projection == "identity" else 256
-        check_positive_int("num_features", num_features)
-        check_choice("norms", norms, NORMS)
-        seed = check_seed(seed)
-        if projection == "identity" and num_features != p.d:
-            raise ValueError(
-                f"projection='identity' (no random projection) has m = d = {p.d} rows; got "
-                f"num_features={num_features} (pass num_features={p.d})")
-        features = RandomFeatures.draw(p.d, num_features, projection=projection,
-                                       norms=norms, seed=seed)
-    else:
-        features = as_features(features, p.d)
+    p, kind, scale, causal, features = checked_performer(
+        q, k, v, features=features, num_features=num_features, kind=kind,
+        projection=projection, norms=norms, seed=seed, scale=scale, causal=causal,
+        key_mask=key_mask)
     xp, wd = p.xp, p.work_dtype
     if p.s == 0:
         return p.zeros()

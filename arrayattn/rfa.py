@@ -136,6 +136,36 @@ def _check_gate(p, gate, q, batch):
     return xp.astype(gate, p.work_dtype), batch
 
 
+def checked_rfa(q, k, v, /, *, num_features, seed, sigma, causal, gate, key_mask,
+                features, projection, norms, method, chunk_size, eps):
+    """The validation of :func:`rfa_attention` (shared with its backward): ``(problem,
+    sigma, causal, chunk_size, method, gate (working dtype) or None, batch,
+    RandomFeatures, eps)``."""
+    p = check_qkv(q, k, v)
+    check_key_mask(p, key_mask, q)
+    sigma = _check_sigma(sigma)
+    causal = check_flag("causal", causal)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    g = batch = None
+    if gate is not None:
+        if not causal:
+            raise ValueError("gate is the causal recurrence S_t = g_t S_(t-1) + (1 - g_t) "
+                             "phi(k_t) v_t^T; pass causal=True")
+        if p.n != p.s:
+            raise ValueError(f"gate requires n = s (one gate per token of a self-attention "
+                             f"sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        method = "chunked" if method is None else check_choice("method", method,
+                                                               GATED_METHODS)
+        batch = p.batch if key_mask is None else broadcast_batch(
+            [("inputs", p.batch), ("key_mask", tuple(key_mask.shape[:-1]))])
+        g, batch = _check_gate(p, gate, q, batch)
+    elif method is not None:
+        check_choice("method", method, CAUSAL_METHODS)
+    features = _resolve_features(p, features, num_features, projection, norms, seed)
+    eps = check_eps(eps, p.xp, p.work_dtype)
+    return p, sigma, causal, chunk_size, method, g, batch, features, eps
+
+
 def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=False,
                   gate=None, key_mask=None, features=None, projection="iid", norms="chi",
                   method=None, chunk_size=64, eps=None):
@@ -182,13 +212,15 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
         ``0 <= g <= 1``: ``g = 0`` restarts the state at that token, ``g = 1`` skips the
         token (nothing decays, nothing is added).  Checking the values would synchronise a
         GPU, so instead an array value outside ``[0, 1]`` (or NaN) makes the outputs at
-        and after its position NaN (a float is checked on the host).
+        and after its position NaN (a float is checked on the host).  :func:`arrayattn.vjp`
+        returns the cotangent of an array gate under ``"gate"`` (a float gets none).
     key_mask : boolean array ``(..., s)``, optional
         ``True`` = real key.  A masked key enters neither numerator nor denominator; with a
         gate it is skipped (taken as ``g = 1``: no decay, no contribution).
     features : RandomFeatures or array ``(m, d)``, optional
         The projection ``ω ~ N(0, I_d)`` (replays a caller's or a peer's matrix exactly;
-        then ``num_features``, ``projection``, ``norms`` and ``seed`` are ignored).
+        then ``num_features``, ``projection``, ``norms`` and ``seed`` are ignored)  The
+        backward (:func:`arrayattn.vjp`) treats it, like a drawn one, as a constant.
     projection : {"iid", "orthogonal"}
         ``"iid"`` (as in the paper) or orthogonal blocks (lower variance).
     norms : {"chi", "fixed", "quasi"}
@@ -247,28 +279,11 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
     >>> bool(np.allclose(gated, ref))
     True
     """
-    p = check_qkv(q, k, v)
-    check_key_mask(p, key_mask, q)
-    sigma = _check_sigma(sigma)
-    causal = check_flag("causal", causal)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
+    p, sigma, causal, chunk_size, method, g, batch, features, eps = checked_rfa(
+        q, k, v, num_features=num_features, seed=seed, sigma=sigma, causal=causal,
+        gate=gate, key_mask=key_mask, features=features, projection=projection, norms=norms,
+        method=method, chunk_size=chunk_size, eps=eps)
     xp, wd, dev = p.xp, p.work_dtype, p.device
-    if gate is not None:
-        if not causal:
-            raise ValueError("gate is the causal recurrence S_t = g_t S_(t-1) + (1 - g_t) "
-                             "phi(k_t) v_t^T; pass causal=True")
-        if p.n != p.s:
-            raise ValueError(f"gate requires n = s (one gate per token of a self-attention "
-                             f"sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
-        method = "chunked" if method is None else check_choice("method", method,
-                                                               GATED_METHODS)
-        batch = p.batch if key_mask is None else broadcast_batch(
-            [("inputs", p.batch), ("key_mask", tuple(key_mask.shape[:-1]))])
-        g, batch = _check_gate(p, gate, q, batch)
-    elif method is not None:
-        check_choice("method", method, CAUSAL_METHODS)
-    features = _resolve_features(p, features, num_features, projection, norms, seed)
-    eps = check_eps(eps, xp, wd)
     if p.s == 0:
         return p.zeros()
     omega = features.on(xp, dtype=wd, device=dev)

@@ -639,6 +639,8 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
     block) are split over their key blocks too, and the partial softmaxes merged by
     log-sum-exp (:func:`arrayattn.reference.sparse.merge_attention`)."""
     xp, dev = p.xp, p.device
+    if math.prod(p.batch) == 0:          # an empty batch (no heads): nothing to plan
+        return xp.zeros((*p.batch, p.n, p.dv), dtype=q.dtype, device=dev)
     b, n = layout.block_size, p.n
     nqb, nkb = layout.blocks.shape
     causal = causal or layout.causal
@@ -836,8 +838,10 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
 
 def _pattern_call(builder, **fixed):
     def call(q, k, v, /, *, scale=None, causal=False, key_mask=None, bias=None, **options):
-        check_qkv(q, k, v)
+        p = check_qkv(q, k, v)
         causal = check_flag("causal", causal)
+        if p.n == 0 or p.s == 0:     # no layout of no tokens: zeros (empty-row convention)
+            return p.zeros()
         opts = {**fixed, **options}
         layout = builder(q.shape[-2], s=k.shape[-2], **opts)
         return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,

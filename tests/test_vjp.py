@@ -66,13 +66,7 @@ PENDING: set[str] = {
     'local',
     'longformer',
     'lsh',
-    'performer_favorpp',
-    'performer_hyperbolic',
-    'performer_positive',
-    'performer_relu',
-    'performer_trig',
     'poolingformer',
-    'rfa',
     'strided',
 }
 

@@ -20,6 +20,8 @@ from . import gated as _gated
 from . import kernel as _kernel
 from . import nystrom as _nystrom
 from . import linformer as _linformer, luna as _luna
+from . import performer as _performer
+from . import rfa as _rfa
 from .nystrom import pinv_vjp
 from .. import exact
 from .. import gated
@@ -27,6 +29,8 @@ from .. import linformer
 from .. import luna
 from .. import nystrom
 from .. import kernel
+from .. import performer
+from .. import rfa
 
 __all__ = ["vjp", "has_backward", "TABLE", "pinv_vjp"]
 
@@ -54,6 +58,9 @@ TABLE = {
     gated.ssd_attention: _gated.ssd_attention_vjp,                # a passed as a=
     "gla": _gated.gla_call_vjp,                                   # g drawn from seed
     "ssd": _gated.ssd_call_vjp,                                   # a drawn from seed
+    performer.performer_attention: _performer.performer_attention_vjp,
+    performer._uniform_call: _performer.uniform_call_vjp,        # performer_* records
+    rfa.rfa_attention: _rfa.rfa_attention_vjp,                    # rfa
 }
 
 

@@ -27,6 +27,8 @@ def nystrom_attention_vjp(q, k, v, do, /, *, num_landmarks=64, pinv="iterative",
         q, k, v, num_landmarks=num_landmarks, pinv=pinv, pinv_iters=pinv_iters,
         pinv_init=pinv_init, pinv_rtol=pinv_rtol, scale=scale, key_mask=key_mask,
         query_mask=query_mask, conv_kernel=conv_kernel, causal=causal)
+    if p.empty:
+        return _zero_grads(p, q=q, k=k, v=v, conv_kernel=conv_kernel)
     wdo = p.xp.astype(do, p.work_dtype, copy=False)
     with entry(p.xp):
         grads = reference.nystrom_attention_vjp(wq, wk, wv, wdo, **options)
@@ -44,11 +46,20 @@ def landmark_attention_vjp(q, k, v, do, /, *, num_landmarks=64, scale=None, key_
     p, (wq, wk, wv), options, _ = checked_landmark(
         q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
         query_mask=query_mask, causal=causal)
+    if p.empty:
+        return _zero_grads(p, q=q, k=k, v=v)
     wdo = p.xp.astype(do, p.work_dtype, copy=False)
     with entry(p.xp):
         grads = reference.landmark_attention_vjp(wq, wk, wv, wdo, **options)
     args = {"q": q, "k": k, "v": v}
     return {name: sum_to_shape(g, args[name].shape) for name, g in grads.items()}
+
+
+def _zero_grads(p, **args):
+    """No token on one side: the output is zeros whatever the inputs, so are the
+    gradients."""
+    return {name: p.xp.zeros(x.shape, dtype=p.work_dtype, device=p.device)
+            for name, x in args.items() if x is not None}
 
 
 def pinv_vjp(a, dz, /, *, method="svd", iters=6, init="per_matrix", rtol=None):

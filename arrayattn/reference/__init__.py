@@ -18,7 +18,9 @@ from . import exact_vjp
 from . import kernel
 from . import kernel_vjp
 from . import performer
+from . import performer_vjp
 from . import rfa
+from . import rfa_vjp
 from . import gated
 from . import gated_vjp
 from . import delta_vjp
@@ -39,7 +41,9 @@ from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403
 from .kernel_vjp import *  # noqa: F401,F403
 from .performer import *  # noqa: F401,F403
+from .performer_vjp import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
+from .rfa_vjp import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
 from .gated_vjp import *  # noqa: F401,F403
 from .delta_vjp import *  # noqa: F401,F403
@@ -61,7 +65,9 @@ __all__ = [
     *kernel.__all__,
     *kernel_vjp.__all__,
     *performer.__all__,
+    *performer_vjp.__all__,
     *rfa.__all__,
+    *rfa_vjp.__all__,
     *gated.__all__,
     *gated_vjp.__all__,
     *delta_vjp.__all__,
