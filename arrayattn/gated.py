@@ -38,6 +38,8 @@ __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
            "checked_gated"]
 
 METHODS = ("chunked", "recurrent")
+# the forward's gates, for the backward adapters (arrayattn.backward.gated)
+__all__ += ["retention_log_gates", "drawn_gla_gates", "drawn_ssd_decays"]
 
 
 def retention_gammas(heads: int) -> np.ndarray:
@@ -244,6 +246,13 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
     >>> bool(np.allclose(retention(q, k, v, gamma=0.9), ((q @ k.swapaxes(-1, -2)) * d) @ v))
     True
     """
+    return _run(q, k, v, retention_log_gates(q, k, v, gamma), None, causal=causal,
+                key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
+                initial_state=initial_state, return_state=return_state)
+
+
+def retention_log_gates(q, k, v, gamma):
+    """``log gamma`` checked and laid out as one gate per token ``(..., H, n, 1)``."""
     p = check_qkv(q, k, v)
     xp = p.xp
     if gamma is None:     # (an empty batch of no heads takes one decay, for its shape)
@@ -270,10 +279,7 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
     if g.ndim >= 3 and q.ndim >= 3 and g.shape[-3] not in (1, q.shape[-3]):
         raise ValueError(f"gamma has {g.shape[-3]} heads but q has {q.shape[-3]} "
                          f"(axis -3 of shape {tuple(q.shape)})")
-    g = xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device) + g
-    return _run(q, k, v, g, None, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                return_state=return_state)
+    return xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device) + g
 
 
 @_doc
@@ -546,16 +552,22 @@ def _checked(call):
     return adapter
 
 
+def drawn_gla_gates(q, seed):
+    return _draw(q, q.shape, seed, lambda r, s: _log_sigmoid(r.standard_normal(s) + 3.0))
+
+
+def drawn_ssd_decays(q, seed):
+    return _draw(q, q.shape[:-1], seed, lambda r, s: -np.exp(r.normal(-2.5, 0.5, s)))
+
+
 @_checked
 def _gla_call(q, k, v, /, *, seed=0, **options):
-    g = _draw(q, q.shape, seed, lambda r, s: _log_sigmoid(r.standard_normal(s) + 3.0))
-    return gla_attention(q, k, v, g, **options)
+    return gla_attention(q, k, v, drawn_gla_gates(q, seed), **options)
 
 
 @_checked
 def _ssd_call(q, k, v, /, *, seed=0, **options):
-    a = _draw(q, q.shape[:-1], seed, lambda r, s: -np.exp(r.normal(-2.5, 0.5, s)))
-    return ssd_attention(q, k, v, a, **options)
+    return ssd_attention(q, k, v, drawn_ssd_decays(q, seed), **options)
 
 
 @_checked

@@ -15,7 +15,8 @@ from .._validate import broadcast_batch, check_array, check_same_array_kind
 from .._xp import xp_namespace
 from ..registry import Variant, get_variant
 from ..exact import softmax_attention
-from ..gated import delta_attention, gated_delta_attention
+from ..gated import (delta_attention, gated_delta_attention, gla_attention, retention,
+                     ssd_attention)
 from ..kernel import efficient_attention, feature_attention, linear_attention
 from ..linformer import linformer_attention
 from ..luna import luna_attention
@@ -29,6 +30,7 @@ from .. import performer as _performer_forward
 # the backward module, not shadowed by the forward module of the same name)
 from . import delta as _delta
 from . import exact as _exact
+from . import gated as _gated
 from . import kernel as _kernel
 from . import linformer as _linformer
 from . import lsh as _lsh
@@ -59,6 +61,11 @@ TABLE = {
     gated_delta_attention: _delta.gated_delta_attention_vjp,
     "deltanet": _delta.deltanet_vjp,                                # beta drawn from seed
     "gated_deltanet": _delta.gated_deltanet_vjp,                    # beta, g drawn from seed
+    retention: _gated.retention_vjp,                                # retention
+    gla_attention: _gated.gla_attention_vjp,                        # g passed as g=
+    ssd_attention: _gated.ssd_attention_vjp,                        # a passed as a=
+    "gla": _gated.gla_call_vjp,                                     # g drawn from seed
+    "ssd": _gated.ssd_call_vjp,                                     # a drawn from seed
     nystrom_attention: _nystrom.nystrom_attention_vjp,              # nystrom_svd, _iterative
     landmark_attention: _nystrom.landmark_attention_vjp,            # landmark
     linformer_attention: _linformer.linformer_attention_vjp,

@@ -23,6 +23,7 @@ from . import performer_vjp
 from . import rfa
 from . import rfa_vjp
 from . import gated
+from . import gated_vjp
 from . import delta_vjp
 from . import nystrom
 from . import nystrom_vjp
@@ -49,6 +50,7 @@ from .performer_vjp import *  # noqa: F401,F403
 from .rfa import *  # noqa: F401,F403
 from .rfa_vjp import *  # noqa: F401,F403
 from .gated import *  # noqa: F401,F403
+from .gated_vjp import *  # noqa: F401,F403
 from .delta_vjp import *  # noqa: F401,F403
 from .nystrom import *  # noqa: F401,F403
 from .nystrom_vjp import *  # noqa: F401,F403
@@ -76,6 +78,7 @@ __all__ = [
     *rfa.__all__,
     *rfa_vjp.__all__,
     *gated.__all__,
+    *gated_vjp.__all__,
     *delta_vjp.__all__,
     *nystrom.__all__,
     *nystrom_vjp.__all__,

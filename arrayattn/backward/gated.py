@@ -1,0 +1,125 @@
+"""The backward adapters of the decay-gated family: :func:`arrayattn.retention`,
+:func:`arrayattn.gla_attention`, :func:`arrayattn.ssd_attention` and the registry's
+uniform calls of ``gla`` and ``ssd`` (gates drawn from ``seed``).  The equations are in
+:mod:`arrayattn.reference.gated_vjp`.
+
+Cotangents: ``q``, ``k``, ``v``; the log gates the caller passed (``g`` of GLA, ``a`` of
+SSD); ``initial_state`` when passed.  Retention's ``gamma`` is a fixed hyperparameter of
+the model (RetNet does not train it) and gets none, even when given as an array; gates
+drawn from ``seed`` are constants of the forward and get none.  ``return_state`` is
+accepted and ignored: the vjp is that of the output (the final state's cotangent is
+:func:`~arrayattn.reference.gla_chunked_vjp`'s ``ds_n``).
+"""
+from __future__ import annotations
+
+from .. import reference
+from .._engine import entry
+from .._validate import check_qkv
+from ..gated import checked_gated, drawn_gla_gates, drawn_ssd_decays, retention_log_gates
+from ..reference.exact_vjp import sum_to_shape
+
+__all__ = ["retention_vjp", "gla_attention_vjp", "ssd_attention_vjp", "gla_call_vjp",
+           "ssd_call_vjp"]
+
+
+def _gated_vjp(q, k, v, do, gate, *, causal, key_mask, method, chunk_size, scale,
+               initial_state, return_state):
+    """Gradients of the family's output; ``gate = (name, array, per_dim)`` as the caller
+    passed it, or the log gates ``(..., n, 1)`` already laid out (retention).  ``"g"`` in
+    the result: the cotangent of the checked gates ``(..., n, 1 | dk)``, batch-shaped."""
+    p, method, chunk_size, _, s0, checked = checked_gated(
+        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
+        scale=scale, initial_state=initial_state, return_state=return_state,
+        gates=(gate,) if isinstance(gate, tuple) else ())
+    xp, wd = p.xp, p.work_dtype
+    g = checked[0] if checked else gate
+    # the forward's preprocessing (gated._run), differentiated below
+    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
+    if scale is not None:
+        wq = wq * float(scale)
+    keep = g <= 0.0                                         # g > 0 or NaN: replaced by NaN
+    wg = xp.where(keep, g, xp.nan)
+    if key_mask is not None:            # masked tokens: k, v zeroed, gate replaced by 1
+        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
+        wg = xp.where(key_mask[..., None], wg, 0.0)
+        keep = keep & key_mask[..., None]
+    # the forward's rule: a token with a non-finite key or value or a NaN gate is dropped
+    # and the rows from it on are NaN (reference.finite): their gradients below too
+    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(wg), axis=-1)
+    wk, wv = reference.drop_nonfinite(bad, wk, wv)
+    wg = xp.where(bad[..., None], 0.0, wg)
+    wdo = xp.astype(do, wd, copy=False)
+    if p.n == 0:
+        grads = {"q": wq, "k": wk, "v": wv, "g": wg, "initial_state": s0}
+        return {name: xp.zeros_like(x) for name, x in grads.items()}
+    with entry(xp):
+        if method == "recurrent":
+            grads = reference.gla_recurrent_vjp(wq, wk, wv, wg, s0, wdo)
+        else:
+            grads = reference.gla_chunked_vjp(wq, wk, wv, wg, s0, wdo, chunk_size)
+    if scale is not None:                                   # wq = scale q
+        grads["q"] = grads["q"] * float(scale)
+    if key_mask is not None:
+        grads["k"], grads["v"] = reference.zero_masked_keys(key_mask, grads["k"],
+                                                            grads["v"])
+    grads["g"] = xp.where(keep, grads["g"], 0.0)
+    return reference.poison_prefix_grads(grads, bad, p.n)
+
+
+def _shaped(grads, args):
+    """Each gradient summed to its argument's shape (broadcast batch axes)."""
+    return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()
+            if x is not None}
+
+
+def retention_vjp(q, k, v, do, /, *, gamma=None, causal=True, key_mask=None,
+                  method="chunked", chunk_size=32, scale=None, initial_state=None,
+                  return_state=False):
+    """``{"q", "k", "v"[, "initial_state"]}`` of :func:`~arrayattn.retention` (``gamma``
+    gets no cotangent)."""
+    g = retention_log_gates(q, k, v, gamma)
+    grads = _gated_vjp(q, k, v, do, g, causal=causal, key_mask=key_mask, method=method,
+                       chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                       return_state=return_state)
+    return _shaped(grads, {"q": q, "k": k, "v": v, "initial_state": initial_state})
+
+
+def gla_attention_vjp(q, k, v, do, /, *, g, causal=True, key_mask=None, method="chunked",
+                      chunk_size=16, scale=None, initial_state=None, return_state=False):
+    """``{"q", "k", "v", "g"[, "initial_state"]}`` of :func:`~arrayattn.gla_attention`
+    (``g (..., n, dk)``, the log gates, passed as ``g=``)."""
+    grads = _gated_vjp(q, k, v, do, ("g", g, True), causal=causal, key_mask=key_mask,
+                       method=method, chunk_size=chunk_size, scale=scale,
+                       initial_state=initial_state, return_state=return_state)
+    return _shaped(grads, {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state})
+
+
+def ssd_attention_vjp(q, k, v, do, /, *, a, causal=True, key_mask=None, method="chunked",
+                      chunk_size=32, scale=None, initial_state=None, return_state=False):
+    """``{"q", "k", "v", "a"[, "initial_state"]}`` of :func:`~arrayattn.ssd_attention`
+    (``a (..., n)``, the log decays ``Delta_t A``, passed as ``a=``; their cotangent is
+    that of what was passed: for ``a = dt * A`` the caller's chain rule gives
+    ``d dt = A da`` and ``dA = sum(dt da)``)."""
+    grads = _gated_vjp(q, k, v, do, ("a", a, False), causal=causal, key_mask=key_mask,
+                       method=method, chunk_size=chunk_size, scale=scale,
+                       initial_state=initial_state, return_state=return_state)
+    grads["a"] = grads.pop("g")[..., 0]
+    return _shaped(grads, {"q": q, "k": k, "v": v, "a": a, "initial_state": initial_state})
+
+
+def gla_call_vjp(q, k, v, do, /, *, seed=0, **options):
+    """The registry's ``gla``: gates drawn from ``seed`` as the uniform call draws them
+    (constants: no cotangent)."""
+    check_qkv(q, k, v)
+    grads = gla_attention_vjp(q, k, v, do, g=drawn_gla_gates(q, seed), **options)
+    del grads["g"]
+    return grads
+
+
+def ssd_call_vjp(q, k, v, do, /, *, seed=0, **options):
+    """The registry's ``ssd``: log decays drawn from ``seed`` as the uniform call draws
+    them (constants: no cotangent)."""
+    check_qkv(q, k, v)
+    grads = ssd_attention_vjp(q, k, v, do, a=drawn_ssd_decays(q, seed), **options)
+    del grads["a"]
+    return grads
