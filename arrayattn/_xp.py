@@ -18,6 +18,7 @@ __all__ = [
     "compute_dtype",
     "xp_from_host",
     "to_numpy",
+    "host_values",
 ]
 
 

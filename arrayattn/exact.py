@@ -27,7 +27,7 @@ from .reference.finite import drop_nonfinite, nonfinite_rows
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 
-__all__ = ["softmax_attention"]
+__all__ = ["softmax_attention", "Call", "checked_call", "run", "working_qkv"]
 
 
 @grouped_query_heads

@@ -20,7 +20,7 @@ from ._numpy import linalg as engine
 from ._validate import check_array, check_choice, check_flag, check_positive_int
 from ._xp import compute_dtype, xp_device, xp_namespace
 
-__all__ = ["pinv", "check_svd_available", "PINV_METHODS", "PINV_INITS"]
+__all__ = ["pinv", "check_svd_available", "checked_pinv", "PINV_METHODS", "PINV_INITS"]
 
 PINV_METHODS = ("svd", "iterative")
 PINV_INITS = ("per_matrix", "global")

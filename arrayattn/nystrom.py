@@ -28,7 +28,8 @@ from ._xp import compute_dtype, xp_device, xp_namespace
 from .linalg import PINV_INITS, PINV_METHODS, check_svd_available
 from .registry import Variant, register
 
-__all__ = ["segment_lengths", "segment_means", "nystrom_attention", "landmark_attention"]
+__all__ = ["segment_lengths", "segment_means", "nystrom_attention", "landmark_attention",
+           "checked_nystrom", "checked_landmark"]
 
 _NOT_CAUSAL = ("its landmarks are means over segments of the whole sequence, so every "
                "output would depend on future tokens")

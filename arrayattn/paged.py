@@ -15,7 +15,7 @@ from ._validate import check_array, check_same_array_kind
 from ._xp import xp_device, xp_namespace
 from .exact import checked_call, run
 
-__all__ = ["paged_attention", "gather_pages"]
+__all__ = ["paged_attention", "gather_pages", "paged_inputs"]
 
 
 def gather_pages(cache, block_table):

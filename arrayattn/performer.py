@@ -41,7 +41,7 @@ from .random_features import (EXP_KINDS, FEATURE_KINDS, NORMS, PROJECTIONS, Rand
                               as_features, check_kind, resolve_gerf_a)
 from .registry import Variant, register
 
-__all__ = ["performer_attention"]
+__all__ = ["performer_attention", "checked_performer"]
 
 
 def checked_performer(q, k, v, /, *, features, num_features, kind, projection, norms,

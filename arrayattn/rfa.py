@@ -48,7 +48,7 @@ from .kernel import CAUSAL_METHODS, check_eps, feature_attention
 from .random_features import NORMS, PROJECTIONS, RandomFeatures, as_features
 from .registry import Variant, register
 
-__all__ = ["rfa_attention", "rfa_features"]
+__all__ = ["rfa_attention", "rfa_features", "checked_rfa"]
 
 GATED_METHODS = ("chunked", "recurrent")
 
