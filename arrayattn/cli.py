@@ -133,8 +133,9 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
     try:
         if variant is None and profile is None:
             raise UsageError("give --variant, or --profile (which names the variant)")
-        if rtol is not None and not (rtol > 0 and math.isfinite(rtol)):
-            raise UsageError(f"--rtol must be a positive finite number; got {rtol}")
+        for flag, value in (("--rtol", rtol), ("--factor", factor)):
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise UsageError(f"{flag} must be a finite number >= 0; got {value}")
         rec = None if variant is None else get_variant(variant)
         params = dict(parse_option(o) for o in options)
         for key in ("key_mask", "mask", "bias", "query_mask", "omega", "e", "f"):
@@ -265,6 +266,28 @@ def _validate(args) -> int:
                         factor=args.factor)
 
 
+def _check_writable(label: str, path: str) -> None:
+    """ValueError unless ``path`` can be written (checked before the run, which may take
+    minutes): not a directory, its directory exists, and opening it for appending works
+    (a file created by the check is removed again)."""
+    import os
+
+    if os.path.isdir(path):
+        raise ValueError(f"{label} {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{label} {path}: the directory {parent} does not exist")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{label} {path}: cannot write there ({exc.strerror or exc}); "
+                         "give a writable file name") from None
+    if not existed:
+        os.remove(path)
+
+
 def _report(args) -> int:
     from ._backends import BackendUnavailable, get_array_backend
     from .registry import get_variant
@@ -282,12 +305,7 @@ def _report(args) -> int:
             raise ValueError(f"--seed must be a non-negative integer; got {args.seed}")
         for label, path in (("--json", args.json), ("--plot", args.plot)):
             if path:
-                import os
-                if os.path.isdir(path):
-                    raise ValueError(f"{label} {path} is a directory; give a file name")
-                parent = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(parent):
-                    raise ValueError(f"{label} {path}: the directory {parent} does not exist")
+                _check_writable(label, path)
         for name in names or ():
             get_variant(name)
         for label, value in (("--n", w.n), ("--d", w.d), ("--heads", w.heads),
