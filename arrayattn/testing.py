@@ -765,6 +765,11 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layou
         notes.append(f"arrayattn's own {work} evaluation is not finite on these inputs; "
                      "the tolerance uses the rounding floor only")
         own_err = np.where(np.isfinite(own_err), own_err, 0.0)
+    low = sorted({_dtype_name(x) for x in (q, k, v)} & {"float32", "float16", "bfloat16"})
+    if dtype == "float64" and low:
+        notes.append(f"out is float64 but the inputs are {'/'.join(low)}: the tolerance is "
+                     "a float64 computation's; if the kernel computed in float32 and cast its "
+                     "result up, pass out in the dtype it computed in")
     floor = scale * _EPS[dtype]
     if rtol is None:
         tol = TOLERANCE_FACTOR * np.maximum(own_err, floor) + atol
