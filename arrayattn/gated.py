@@ -111,6 +111,17 @@ def checked_gated(q, k, v, *, causal, key_mask, method, chunk_size, scale, initi
     return p, method, chunk_size, return_state, _check_state(p, initial_state, q), gates
 
 
+def _unit_rows(xp, x):
+    """``x / ||x||`` per row.  A zero row stays zero; a NaN or inf row stays non-finite
+    (divided by 1: the caller's non-finite check then drops it), never ``inf / inf``; a
+    finite row whose squared norm overflows is first divided by its largest entry."""
+    n = xp.linalg.vector_norm(x, axis=-1, keepdims=True)
+    over = xp.isinf(n) & xp.all(xp.isfinite(x), axis=-1, keepdims=True)
+    x = x / xp.where(over, xp.max(xp.abs(x), axis=-1, keepdims=True), 1.0)
+    n = xp.where(over, xp.linalg.vector_norm(x, axis=-1, keepdims=True), n)
+    return x / xp.where(xp.isfinite(n) & (n > 0), n, 1.0)
+
+
 def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
          initial_state, return_state, normalize_qk=False, per_dim=False):
     """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
@@ -119,9 +130,8 @@ def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
         scale=scale, initial_state=initial_state, return_state=return_state)
     xp, wd = p.xp, p.work_dtype
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    if normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
-        wq, wk = (x / xp.where(n == 0, 1.0, n) for x, n in (
-            (x, xp.linalg.vector_norm(x, axis=-1, keepdims=True)) for x in (wq, wk)))
+    if normalize_qk:      # fla's use_qk_l2norm: unit q and k
+        wq, wk = _unit_rows(xp, wq), _unit_rows(xp, wk)
     if scale is not None:
         wq = wq * float(scale)
     # A gate outside (0, 1] (g > 0, or NaN) makes the outputs from there on NaN:
