@@ -26,6 +26,10 @@ def skip_reason(report) -> str:
     return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
 
 
+def _reasons(count: int) -> str:
+    return f"{count} reason" + ("" if count == 1 else "s")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     chars = config.option.reportchars or ""
     skipped = terminalreporter.stats.get("skipped", [])
@@ -39,5 +43,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"SKIPPED [{n}] {reason}")
     if design:
         terminalreporter.write_line(
-            f"SKIPPED [{design}] by design, {len(reasons) - len(env)} reasons (an option the "
+            f"SKIPPED [{design}] by design, {_reasons(len(reasons) - len(env))} (an option the "
             "variant does not take, a dtype the backend lacks, a path another test covers)")
