@@ -32,6 +32,22 @@ from .backward import vjp
 
 __version__ = "0.1.0"
 
+#: Submodules loaded on first attribute access (``arrayattn.testing.assert_matches_reference``
+#: works after a plain ``import arrayattn``; the import itself stays light).
+_LAZY = ("testing", "grad_testing", "report", "cli", "distributed")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "register", "variants", "use_engine",
     "reference",

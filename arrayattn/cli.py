@@ -133,8 +133,9 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
     try:
         if variant is None and profile is None:
             raise UsageError("give --variant, or --profile (which names the variant)")
-        if rtol is not None and not (rtol > 0 and math.isfinite(rtol)):
-            raise UsageError(f"--rtol must be a positive finite number; got {rtol}")
+        for flag, value in (("--rtol", rtol), ("--factor", factor)):
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise UsageError(f"{flag} must be a finite number >= 0; got {value}")
         rec = None if variant is None else get_variant(variant)
         params = dict(parse_option(o) for o in options)
         for key in ("key_mask", "mask", "bias", "query_mask", "omega", "e", "f"):
@@ -169,7 +170,8 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
                                      arrays["v"], rtol=rtol, layout=layout,
                                      profile=profile, **params)
         except (ValueError, TypeError) as exc:  # shapes, dtypes, options the variant rejects
-            raise UsageError(f"{path}: {exc}") from None
+            hint = _layout_hint(rec, arrays, params, rtol, layout, profile)
+            raise UsageError(f"{path}: {exc}" + (f"\n{hint}" if hint else "")) from None
         except Exception as exc:  # anything else the reference raised on these inputs
             raise UsageError(f"{path}: the reference {_c_name(rec, profile)} raised "
                              f"{type(exc).__name__}: {exc}") from None
@@ -191,7 +193,8 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
     for note in c.notes:
         print(f"note: {note}", file=err)
     if not c.ok:
-        hint = _top_left_hint(c, arrays, params, rtol, layout, profile)
+        hint = (_top_left_hint(c, arrays, params, rtol, layout, profile)
+                or _layout_hint(rec, arrays, params, rtol, layout, profile))
         if hint:
             print(hint, file=out)
     print(c.verdict(), file=out)
@@ -255,6 +258,42 @@ def _top_left_hint(c, arrays, params, rtol, layout, profile):
             "the top-left mask in the .npz as mask=")
 
 
+_WORDS = {"bhnd": "(batch, heads, tokens, dim)", "bnhd": "(batch, tokens, heads, dim)"}
+
+
+def _layout_hint(rec, arrays, params, rtol, layout, profile) -> str:
+    """A mismatch (or an ``out`` of the wrong shape) that matches with the tokens and heads
+    axes swapped -- in all four arrays (the other ``--layout``) or in ``out`` alone --
+    says so."""
+    import numpy as np
+
+    from .testing import compare_to_reference, get_profile
+
+    q, k, v, o = (arrays[name] for name in REQUIRED)
+    if min(a.ndim for a in (q, k, v, o)) < 3:
+        return ""
+    axes = "axes 1 and 2" if o.ndim == 4 else "axes -3 and -2"
+    cur = layout or (get_profile(profile).layout if profile is not None else "bhnd")
+    other = "bnhd" if cur == "bhnd" else "bhnd"
+    tries = (
+        (other, o, f"hint: the output matches with {axes} swapped in q, k, v and out: "
+                   f"pass --layout {other} (arrays as {_WORDS[other]})"),
+        (cur, np.swapaxes(o, -3, -2),
+         f"hint: out matches with its {axes} swapped: q, k, v are read as {_WORDS[cur]} "
+         f"but out is {_WORDS[other]}; save out with those axes swapped (torch: "
+         "out.transpose(1, 2)) so that all four share one layout"),
+    )
+    for lay, out, text in tries:
+        try:
+            alt = compare_to_reference(out, rec, q, k, v, rtol=rtol, layout=lay,
+                                       profile=profile, **params)
+        except Exception:  # not even the shapes fit: no hint
+            continue
+        if alt.ok:
+            return text
+    return ""
+
+
 def _c_name(rec, profile) -> str:
     return rec.name if rec is not None else f"of profile {profile}"
 
@@ -263,6 +302,28 @@ def _validate(args) -> int:
     return run_validate(args.file, args.variant, args.option, rtol=args.rtol,
                         layout=args.layout, profile=args.profile, rule=args.rule,
                         factor=args.factor)
+
+
+def _check_writable(label: str, path: str) -> None:
+    """ValueError unless ``path`` can be written (checked before the run, which may take
+    minutes): not a directory, its directory exists, and opening it for appending works
+    (a file created by the check is removed again)."""
+    import os
+
+    if os.path.isdir(path):
+        raise ValueError(f"{label} {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{label} {path}: the directory {parent} does not exist")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{label} {path}: cannot write there ({exc.strerror or exc}); "
+                         "give a writable file name") from None
+    if not existed:
+        os.remove(path)
 
 
 def _report(args) -> int:
@@ -282,12 +343,7 @@ def _report(args) -> int:
             raise ValueError(f"--seed must be a non-negative integer; got {args.seed}")
         for label, path in (("--json", args.json), ("--plot", args.plot)):
             if path:
-                import os
-                if os.path.isdir(path):
-                    raise ValueError(f"{label} {path} is a directory; give a file name")
-                parent = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(parent):
-                    raise ValueError(f"{label} {path}: the directory {parent} does not exist")
+                _check_writable(label, path)
         for name in names or ():
             get_variant(name)
         for label, value in (("--n", w.n), ("--d", w.d), ("--heads", w.heads),
@@ -389,7 +445,15 @@ def main(argv=None) -> int:
     val.add_argument("--factor", type=float, default=2.0,
                      help="the multiple of the same-dtype rule (default 2)")
     val.set_defaults(func=_validate)
-    args = parser.parse_args(argv)
+    # A mistyped flag after the subcommand is reported with that subcommand's usage (plain
+    # parse_args would print the top-level one, which lists no flag of the subcommand).
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        words = list(sys.argv[1:] if argv is None else argv)
+        before = words[:words.index(args.command)] if args.command in words else []
+        owner = parser if set(unknown) & set(before) else {"report": rep,
+                                                           "validate": val}[args.command]
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

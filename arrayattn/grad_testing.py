@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._xp import to_numpy
-from .testing import _EPS, LAYOUTS, TOLERANCE_FACTOR, Comparison, _dtype_name, _host64
+from .testing import (_EPS, LAYOUTS, TOLERANCE_FACTOR, Comparison, _dtype_name, _host64,
+                      check_tolerance)
 
 __all__ = ["compare_grads", "assert_grads_match", "compare_lse", "round_to", "GradComparison",
            "RULES"]
@@ -95,7 +96,7 @@ def _array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, layout=None,
+def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, layout=None,
                   rule=None, factor: float = 2.0, **params) -> GradComparison:
     """Compare ``grads`` (``{"q": dq, "k": dk, "v": dv, <argument>: d<argument>}``, any
     array library) with arrayattn's float64 :func:`~arrayattn.vjp` of ``variant`` at
@@ -110,7 +111,10 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, layout=Non
     q, k, v, do : array
         The forward's inputs and the output cotangent the gradients were computed with.
     rtol : float, optional
-        Override: allowed max-abs error of a head relative to its largest reference entry.
+        Override: allowed max-abs error of a head relative to its largest reference entry
+        (finite, >= 0).
+    atol : float
+        Absolute allowance added to each head's tolerance (default 0; finite, >= 0).
     layout : {"bhnd", "bnhd"}, optional
         Axis order of q, k, v, do and their gradients (default ``"bhnd"``).
     rule : {"float64", "same-dtype"}, optional
@@ -142,8 +146,8 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, layout=Non
     from .backward import vjp
     from .registry import get_variant
 
-    if rtol is not None and not (rtol > 0 and np.isfinite(rtol)):
-        raise ValueError(f"rtol must be a positive finite number; got {rtol}")
+    rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
+    factor = check_tolerance("factor", factor, optional=False)
     if not grads:
         raise ValueError("grads is empty: give at least one of dq, dk, dv, ...")
     rec = get_variant(variant)
@@ -218,11 +222,11 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, layout=Non
         dt = _dtype_name(grads[name])
         floor = scale * _EPS[dt]
         if rtol is not None:
-            tol = float(rtol) * scale
+            tol = rtol * scale + atol
         elif rule == "same-dtype":
-            tol = factor * np.maximum(own_err, floor)
+            tol = factor * np.maximum(own_err, floor) + atol
         else:
-            tol = TOLERANCE_FACTOR * np.maximum(own_err, floor)
+            tol = TOLERANCE_FACTOR * np.maximum(own_err, floor) + atol
         items[name] = Comparison(f"{rec.name} d{name}", dt, heads, max_abs,
                                  max_abs / np.where(scale > 0, scale, 1.0), tol, worst,
                                  own_err, ref_scale=scale)
@@ -232,6 +236,8 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, layout=Non
 def assert_grads_match(grads: dict, variant, q, k, v, do, /, **kwargs) -> None:
     """Assert that ``grads`` equal arrayattn's float64 :func:`~arrayattn.vjp` per head and
     argument (:func:`compare_grads`; same keywords); ``AssertionError`` names the worst.
+    A NaN or inf gradient where the reference is finite never passes; a negative or
+    non-finite ``rtol`` / ``atol`` is a ``ValueError``.
 
     Examples
     --------
@@ -250,7 +256,8 @@ def assert_grads_match(grads: dict, variant, q, k, v, do, /, **kwargs) -> None:
         raise AssertionError("\n".join(lines))
 
 
-def compare_lse(lse, variant, q, k, v, /, *, rtol=None, layout=None, **params) -> Comparison:
+def compare_lse(lse, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
+                **params) -> Comparison:
     """Compare a kernel's log-sum-exp ``lse (..., heads, n)`` (FlashAttention's
     ``softmax_lse``, in either layout of q, k, v) with the reference's
     (``return_lse=True``), one head per row.  A row with no visible key agrees when both
@@ -258,6 +265,7 @@ def compare_lse(lse, variant, q, k, v, /, *, rtol=None, layout=None, **params) -
     ``8 max(e, eps |L|_inf)`` with ``e`` arrayattn's own float32 (or float64) error."""
     from .registry import get_variant
 
+    rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
     rec = get_variant(variant)
     dt = _dtype_name(lse)
     if dt not in _EPS:
@@ -299,8 +307,8 @@ def compare_lse(lse, variant, q, k, v, /, *, rtol=None, layout=None, **params) -
     own_err = own_err.reshape(r.shape)
     own_err = np.where(np.isfinite(own_err), own_err, 0.0).max(axis=1, initial=0.0)
     max_abs = e.max(axis=1, initial=0.0)
-    tol = (float(rtol) * scale if rtol is not None
-           else TOLERANCE_FACTOR * np.maximum(own_err, scale * _EPS[dt]))
+    tol = atol + (rtol * scale if rtol is not None
+                  else TOLERANCE_FACTOR * np.maximum(own_err, scale * _EPS[dt]))
     heads = [tuple(int(i) for i in idx) for idx in np.ndindex(*ref.shape[:-1])] or [()]
     worst = [(int(i), 0) for i in e.argmax(axis=1)]
     return Comparison(f"{rec.name} lse", dt, heads, max_abs,

@@ -321,6 +321,9 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
             out = reference.nystrom_attention(wq, wk, wv, **options)
         if kernel is not None:
             out = out + reference.depthwise_conv(wv, kernel, key_mask)
+        # (a masked token is dropped, never counted: padding may hold anything)
+        bad_q = bad_q if query_mask is None else bad_q & query_mask
+        bad_kv = bad_kv if key_mask is None else bad_kv & key_mask
         bad = xp.any(bad_q, axis=-1) | xp.any(bad_kv, axis=-1)
         out = reference.poison_rows(out, xp.broadcast_to(bad[..., None], out.shape[:-1]))
     return xp.astype(out, p.dtype, copy=False)

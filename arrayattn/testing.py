@@ -7,12 +7,14 @@ values.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
 from ._xp import to_numpy, xp_device, xp_namespace
 
 __all__ = ["xp_assert_close", "xp_assert_equal", "xp_assert_kind", "default_tolerance",
+           "check_tolerance",
            "compare_to_reference", "assert_matches_reference", "Comparison", "Profile",
            "PROFILES", "get_profile", "LAYOUTS", "Prepared", "compare_grads",
            "assert_grads_match"]
@@ -41,6 +43,20 @@ def default_tolerance(dtype, *, xp=None, factor: float = 1.0) -> float:
     return factor * 64.0 * eps
 
 
+def check_tolerance(name: str, value, *, optional: bool = True):
+    """``value`` of the tolerance argument ``name`` (``rtol``, ``atol``) as a float: a
+    finite real number >= 0 (``None`` kept when ``optional``).  An infinite or NaN
+    tolerance would pass any output, NaN included, so it is refused."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number >= 0; got {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0; got {value}")
+    return value
+
+
 def _check_meta(actual, desired, *, check_namespace, check_dtype, check_shape,
                 check_device):
     if check_namespace:
@@ -66,6 +82,7 @@ def xp_assert_close(actual, desired, *, rtol=None, atol=0.0, check_namespace=Tru
     compared on the host in float64 as ``|a - d| <= atol + rtol |d|``; the message gives
     the worst index and both values.
     """
+    rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
     _check_meta(actual, desired, check_namespace=check_namespace, check_dtype=check_dtype,
                 check_shape=check_shape, check_device=check_device)
     a = to_numpy(actual).astype(np.float64)
@@ -191,10 +208,16 @@ class Comparison:
     @property
     def failing(self) -> list[int]:
         """Indices of the heads over tolerance, worst (largest error/tolerance) first."""
-        ratio = np.where(self.tolerance > 0, self.max_abs / np.where(self.tolerance > 0,
-                         self.tolerance, 1.0), np.where(self.max_abs > 0, np.inf, 0.0))
-        bad = [int(i) for i in np.flatnonzero(~(self.max_abs <= self.tolerance))]
-        return sorted(bad, key=lambda i: -ratio[i])
+        with np.errstate(invalid="ignore"):
+            ratio = np.where(self.tolerance > 0, self.max_abs / np.where(
+                self.tolerance > 0, self.tolerance, 1.0), np.where(self.max_abs > 0, np.inf, 0.0))
+        bad = [int(i) for i in np.flatnonzero(~self._within())]
+        return sorted(bad, key=lambda i: -np.nan_to_num(ratio[i], nan=np.inf))
+
+    def _within(self) -> np.ndarray:
+        """Per head: within tolerance.  An infinite error (a NaN or inf in the output
+        where the reference is finite, or the reverse) never is, whatever the tolerance."""
+        return np.isfinite(self.max_abs) & (self.max_abs <= self.tolerance)
 
     @property
     def ok(self) -> bool:
@@ -202,6 +225,10 @@ class Comparison:
 
     def _head_line(self, i: int) -> str:
         qi, ci = self.worst[i]
+        if not np.isfinite(self.max_abs[i]):
+            return (f"head {self.heads[i]}: non-finite error at query {qi}, column {ci} "
+                    "(a NaN or inf in the output or the reference, not in both alike; never "
+                    "within tolerance)")
         return (f"head {self.heads[i]}: max abs error {self.max_abs[i]:.3g} at query {qi}, "
                 f"column {ci} (relative {self.rel[i]:.3g}, tolerance {self.tolerance[i]:.3g})")
 
@@ -231,7 +258,7 @@ class Comparison:
         rows = [[str(self.heads[i]), f"{self.max_abs[i]:.3e}", f"{self.rel[i]:.3e}",
                  f"{self.own_error[i]:.3e}", f"{self.tolerance[i]:.3e}",
                  str(tuple(self.worst[i])),
-                 "ok" if self.max_abs[i] <= self.tolerance[i] else "FAIL"]
+                 "ok" if self._within()[i] else "FAIL"]
                 for i in range(len(self.heads))]
         widths = [max(len(x) for x in col) for col in zip(head, *rows)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths)).rstrip(),
@@ -569,8 +596,8 @@ def get_profile(profile) -> Profile:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}; got {profile!r}") from None
 
 
-def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, layout=None, profile=None,
-                         **params) -> Comparison:
+def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
+                         profile=None, **params) -> Comparison:
     r"""Compare another implementation's ``out`` with arrayattn's float64 reference.
 
     The reference is the variant's reference form (:meth:`Variant.reference`, never an
@@ -591,7 +618,10 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, layout=None, pr
         The inputs ``out`` was computed from.
     rtol : float, optional
         Override: allowed max-abs error of a head relative to the head's largest
-        reference entry.  ``None`` derives the tolerance as below.
+        reference entry.  ``None`` derives the tolerance as below.  A finite number
+        >= 0 (an infinite tolerance would pass a NaN output: refused).
+    atol : float
+        An absolute allowance added to each head's tolerance (default 0; finite, >= 0).
     layout : {"bhnd", "bnhd"}, optional
         Axis order of ``q``, ``k``, ``v`` and ``out``: ``"bhnd"`` (``(..., heads,
         tokens, dim)``, the default without a profile) or ``"bnhd"`` (``(batch, tokens,
@@ -671,6 +701,7 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, layout=None, pr
     """
     from .registry import get_variant
 
+    rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
     dtype = _dtype_name(out)
     if dtype not in _EPS:
         raise TypeError(f"out must have a floating dtype ({', '.join(_EPS)}); got {dtype}")
@@ -734,16 +765,21 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, layout=None, pr
         notes.append(f"arrayattn's own {work} evaluation is not finite on these inputs; "
                      "the tolerance uses the rounding floor only")
         own_err = np.where(np.isfinite(own_err), own_err, 0.0)
+    low = sorted({_dtype_name(x) for x in (q, k, v)} & {"float32", "float16", "bfloat16"})
+    if dtype == "float64" and low:
+        notes.append(f"out is float64 but the inputs are {'/'.join(low)}: the tolerance is "
+                     "a float64 computation's; if the kernel computed in float32 and cast its "
+                     "result up, pass out in the dtype it computed in")
     floor = scale * _EPS[dtype]
     if rtol is None:
-        tol = TOLERANCE_FACTOR * np.maximum(own_err, floor)
+        tol = TOLERANCE_FACTOR * np.maximum(own_err, floor) + atol
     else:
-        tol = float(rtol) * scale
+        tol = rtol * scale + atol
     return Comparison(rec.name, dtype, heads, max_abs, rel, tol, worst, own_err, notes,
                       ref_scale=scale, profile=None if prof is None else prof.name)
 
 
-def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, layout=None,
+def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
                              profile=None, **params) -> None:
     """Assert that ``out`` equals arrayattn's float64 reference to rounding, per head.
 
@@ -761,7 +797,9 @@ def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, layout=None
         The inputs ``out`` was computed from.
     rtol : float, optional
         Override of the derived tolerance (max-abs error relative to the head's largest
-        reference entry).
+        reference entry); finite, >= 0.
+    atol : float
+        Absolute allowance added to each head's tolerance (default 0); finite, >= 0.
     layout : {"bhnd", "bnhd"}, optional
         Axis order of ``q``, ``k``, ``v``, ``out`` (see :func:`compare_to_reference`).
     profile : str, optional
@@ -774,7 +812,10 @@ def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, layout=None
     Raises
     ------
     AssertionError
-        When a head's max-abs error exceeds its tolerance.
+        When a head's max-abs error exceeds its tolerance, or the output holds a NaN or
+        inf where the reference is finite (whatever the tolerance).
+    ValueError, TypeError
+        A negative, infinite or NaN ``rtol`` / ``atol`` (or one that is not a number).
 
     Examples
     --------
@@ -791,7 +832,7 @@ def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, layout=None
     ...
     AssertionError: MISMATCH: softmax, 1 of 4 head(s) over tolerance (float64 output); worst (by error / tolerance) head (2,): max abs error 1e-06 at query 7, column 3 ...
     """
-    c = compare_to_reference(out, variant, q, k, v, rtol=rtol, layout=layout,
+    c = compare_to_reference(out, variant, q, k, v, rtol=rtol, atol=atol, layout=layout,
                              profile=profile, **params)
     if not c.ok:
         lines = [c.verdict()]

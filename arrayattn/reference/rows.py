@@ -7,7 +7,8 @@ r"""Unit rows and their backward: the one l2 normalisation of the reference form
     dx = \bigl(dy - y\,(y\cdot dy)\bigr) / \lVert x\rVert
 
 row by row (last axis).  A zero row stays zero: its norm is read as 1, so there
-``dx = dy`` (torch autograd's value through the same ``where``).
+``dx = dy`` (torch autograd's value through the same ``where``); a non-finite row stays
+non-finite for the caller's non-finite rule to drop.
 """
 from __future__ import annotations
 
@@ -17,10 +18,15 @@ __all__ = ["unit_rows", "unit_rows_vjp"]
 
 
 def unit_rows(x):
-    """``(x / ||x||, ||x||)`` row by row (a zero row stays zero; its norm is read as 1)."""
+    """``(x / ||x||, ||x||)`` row by row.  A zero row stays zero and a non-finite row
+    non-finite (their norm is read as 1: never ``0 / 0`` or ``inf / inf``); the norm of
+    a finite row whose squared norm would overflow is taken after dividing by its
+    largest entry."""
     xp = array_namespace(x)
-    norm = xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True))
-    norm = xp.where(norm > 0, norm, 1.0)
+    big = xp.max(xp.abs(x), axis=-1, keepdims=True)
+    big = xp.where(xp.isfinite(big) & (big > 0), big, 1.0)
+    norm = big * xp.sqrt(xp.sum((x / big) ** 2, axis=-1, keepdims=True))
+    norm = xp.where(xp.isfinite(norm) & (norm > 0), norm, 1.0)
     return x / norm, norm
 
 
