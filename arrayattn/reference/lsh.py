@@ -11,6 +11,7 @@ from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
 
 from .masks import attend, masked_softmax, zero_masked_keys
+from .scan import scan
 
 __all__ = ["lsh_hash", "lsh_attention", "lsh_attention_chunked"]
 
@@ -76,16 +77,24 @@ def _look_one_back(xp, x, fill, axis=2):
 _TILE = 1 << 22  # elements of one score-sized temporary (16 MiB in float32)
 
 
-def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
+def _lsh_round(xp, qs, ks, vs, buckets, b_r, *, n, C, nb, causal, dedup, work_dtype,
+               device):
     """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
 
-    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``;
-    ``buckets`` is ``(B, H, n)`` with masked tokens in bucket ``nb``.
+    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``; ``b_r``
+    ``(B, n)`` are this round's buckets, ``buckets`` ``(B, H, n)`` every round's (for the
+    duplicate count), masked tokens in bucket ``nb``.
     """
     B, H = buckets.shape[0], buckets.shape[1]
-    nc = -(-n // C)
+    # The score-sized work runs over blocks of chunks, so that its temporaries stay
+    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)):
+    # nblk blocks of `step` chunks each (pad chunks at the end make them equal).
+    chunks, most = -(-n // C), max(1, _TILE // (B * C * 2 * C))
+    nblk = -(-chunks // most)
+    step = -(-chunks // nblk)
+    nc = nblk * step
     L = nc * C
-    order = xp.argsort(buckets[:, r, :], axis=-1, stable=True)      # (B, n) positions
+    order = xp.argsort(b_r, axis=-1, stable=True)                    # (B, n) positions
     # Pad the sorted order to nc * C slots; a pad slot holds position 0 but bucket -1.
     if L > n:
         order = xp.concat(
@@ -103,11 +112,10 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
     k_wt = _look_one_back(xp, k_t, 0, axis=-1)                        # (B, nc, d, 2C)
     v_w = _look_one_back(xp, _gather(xp, vs, flat, (B, nc, C, vs.shape[-1])), 0)
     pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
-    if causal:
-        # Sorted rank of each slot, and of each key slot in the look-back window.
-        slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
-        slot_k = _look_one_back(xp, slot, -L)
-    bq = sorted_ints(buckets[:, r, :])
+    # Sorted rank of each slot, and of each key slot in the look-back window.
+    slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
+    slot_k = _look_one_back(xp, slot, -L)
+    bq = sorted_ints(b_r)
     bk = _look_one_back(xp, bq, -1)
     pk = _look_one_back(xp, pos, -1)
     # Paper eq. (3): same bucket only.  Queries and keys that are not real (pad slots
@@ -115,20 +123,15 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
     # token itself is excluded here and used as a fallback after the rounds are merged.
     bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
     bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
-    others = []  # the other rounds' buckets, for the duplicate count
+    every = []  # every round's buckets in this order, for the duplicate count
     if dedup and H > 1:
         for r2 in range(H):
-            if r2 != r:
-                b2 = sorted_ints(buckets[:, r2, :])
-                others.append((b2, _look_one_back(xp, b2, -1)))
-    # The score-sized work runs over blocks of chunks, so that its temporaries stay
-    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)).
-    step = max(1, _TILE // (B * C * 2 * C))
-    outs, lses = [], []
-    for c0 in range(0, nc, step):
-        blk = slice(c0, min(c0 + step, nc))
-        pq4, pk4 = pos[:, blk, :, None], pk[:, blk, None, :]
-        allowed = (bq_code[:, blk, :, None] == bk_code[:, blk, None, :]) & (
+            b2 = sorted_ints(buckets[:, r2, :])
+            every += [b2, _look_one_back(xp, b2, -1)]
+
+    def block(_, q_c, k_wt, v_w, pos, pk, slot, slot_k, bq, bk, bq_code, bk_code, *every):
+        pq4, pk4 = pos[..., :, None], pk[..., None, :]
+        allowed = (bq_code[..., :, None] == bk_code[..., None, :]) & (
             (pk4 < pq4) if causal else (pk4 != pq4))
         if causal:
             # A sliding window of the C sorted slots before the query instead of the
@@ -136,23 +139,21 @@ def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtyp
             # the window holds the query's min(C, #) most recent same-bucket keys -- a
             # set fixed by past tokens alone.  With chunk boundaries a future token's
             # bucket could shift the window and change a past output.
-            allowed = allowed & (
-                slot[:, blk, :, None] - slot_k[:, blk, None, :] <= C)
-        scores = q_c[:, blk, ...] @ k_wt[:, blk, ...]                 # (B, g, C, 2C)
-        if others:
+            allowed = allowed & (slot[..., :, None] - slot_k[..., None, :] <= C)
+        scores = q_c @ k_wt                                            # (B, step, C, 2C)
+        if every:
             # N_ij = #rounds in which i and j share a bucket (paper, multi-round LSH):
             # subtracting log N_ij makes a pair met in several rounds count once.
-            # Where allowed, N_ij = 1 (this round) + the matches counted here.
-            count = None
-            for b2q, b2k in others:
-                same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
-                count = same if count is None else count + same
+            # Where allowed, N_ij = 1 (this round) + the other rounds' matches.
+            count = -xp.astype(bq[..., :, None] == bk[..., None, :], xp.int8)
+            for b2q, b2k in zip(every[::2], every[1::2]):
+                count = count + xp.astype(b2q[..., :, None] == b2k[..., None, :], xp.int8)
             scores = scores - xp.log1p(xp.astype(count, work_dtype))
-        o, z = attend(scores, v_w[:, blk, ...], allowed)
-        outs.append(o)
-        lses.append(z)
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=1)
-    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=1)
+        return None, attend(scores, v_w, allowed)
+
+    tiles = [xp.reshape(x, (x.shape[0], nblk, step, *x.shape[2:])) for x in (
+        q_c, k_wt, v_w, pos, pk, slot, slot_k, bq, bk, bq_code, bk_code, *every)]
+    _, (out, lse) = scan(block, None, tiles, axis=1)
     out = xp.reshape(out, (B, L, out.shape[-1]))[:, :n, :]
     lse = xp.reshape(lse, (B, L))[:, :n]
     # Undo the sort: sorted slot t holds position order[t]; position i is at undo[i].
@@ -219,17 +220,22 @@ def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int
     ks = qk3 / xp.where(norm > 0, norm, 1.0)
     # The rounds merged as they come (the online log-sum-exp): top = running max of the
     # rounds' lse, total = sum_r e^{z_r - top}, acc = sum_r e^{z_r - top} o_r.
-    top = xp.full((B, n), -xp.inf, dtype=qk.dtype, device=dev)
-    total = xp.zeros((B, n), dtype=qk.dtype, device=dev)
-    acc = xp.zeros((B, n, dv), dtype=qk.dtype, device=dev)
-    for r in range(H):
-        o, z = _lsh_round(xp, qk3 * scale, ks, v3, buckets, r, n=n, C=chunk_size,
+    qs = qk3 * scale
+
+    def hash_round(merged, b_r):
+        top, total, acc = merged
+        o, z = _lsh_round(xp, qs, ks, v3, buckets, b_r, n=n, C=chunk_size,
                           nb=num_buckets, causal=causal, dedup=dedup,
                           work_dtype=qk.dtype, device=dev)
         new_top = xp.maximum(top, z)
         shift = xp.where(new_top == -xp.inf, 0.0, new_top)
         old, new = xp.exp(top - shift), xp.exp(z - shift)
-        total, acc, top = total * old + new, acc * old[..., None] + o * new[..., None], new_top
+        return (new_top, total * old + new, acc * old[..., None] + o * new[..., None]), None
+
+    start = (xp.full((B, n), -xp.inf, dtype=qk.dtype, device=dev),
+             xp.zeros((B, n), dtype=qk.dtype, device=dev),
+             xp.zeros((B, n, dv), dtype=qk.dtype, device=dev))
+    (top, total, acc), _ = scan(hash_round, start, (buckets,), axis=1)
     has_key = total > 0
     out = acc / xp.where(has_key, total, 1.0)[..., None]
     # A token with no other key in any round attends to itself (zeros if padded).
