@@ -79,7 +79,14 @@ def xp_from_host(xp, array: np.ndarray, *, dtype, device):
         out = xp.asarray(host)
         if device is not None:
             out = array_api_compat.to_device(out, device)
-    return out if out.dtype == dtype else xp.astype(out, dtype)
+    out = out if out.dtype == dtype else xp.astype(out, dtype)
+    if array_api_compat.is_jax_array(out):
+        # Under jax.jit the host array is a constant of the program: without a barrier
+        # XLA evaluates everything computed from it alone (cumulative gate sums, masks
+        # from index tables) at compile time, on its slow interpreter.
+        import jax
+        out = jax.lax.optimization_barrier(out)
+    return out
 
 
 def host_values(x):

@@ -12,20 +12,26 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-from .logits import Logits, tile_logits
+from .logits import Logits, pick, tile_logits, tile_logits_at
 from .masks import log_total, softmax_lse, visible_rows
+from .scan import cond, scan
 
 __all__ = ["softmax_attention", "softmax_attention_blockwise", "attention",
-           "attention_blockwise", "dropped", "key_blocks"]
+           "attention_blockwise", "dropped", "dropped_at", "key_blocks"]
 
 
 def dropped(p, dropout, i0=0, i1=None, j0=0, j1=None):
     """``p * keep / (1 - p_drop)`` on the tile (``dropout`` ``None``: ``p``)."""
+    return dropped_at(p, dropout, slice(i0, i1), slice(j0, j1))
+
+
+def dropped_at(p, dropout, rows, cols):
+    """:func:`dropped` on the tile at ``rows`` x ``cols`` (slices or index arrays)."""
     if dropout is None:
         return p
     xp = array_namespace(p)
     keep, rate = dropout
-    return xp.where(keep[..., i0:i1, j0:j1], p / (1.0 - rate), 0.0)
+    return xp.where(pick(pick(keep, rows, -2), cols, -1), p / (1.0 - rate), 0.0)
 
 
 def attention(q, k, v, lg: Logits, *, dropout=None):
@@ -40,34 +46,63 @@ def attention_blockwise(q, k, v, lg: Logits, *, block_size: int, dropout=None):
     r"""The same ``(O, L)`` by FlashAttention's online softmax over query and key blocks.
 
     For each query block the running row max ``m``, denominator ``l`` and unnormalised
-    output ``acc`` are carried over the key blocks ``j``:
+    output ``acc`` are carried over the key blocks ``j`` (those of :func:`key_blocks`):
     ``m' = max(m, rowmax S_j)``, ``l' = l e^{m - m'} + rowsum e^{S_j - m'}``,
     ``acc' = acc e^{m - m'} + e^{S_j - m'} V_j``; the block's output is ``acc / l`` and
     its ``L = m + log l``.  Memory ``O((n + s) d + block^2)`` per batch element.
+
+    Both loops are :func:`~arrayattn.reference.scan.scan`\ s (traced once under
+    ``jax.jit``), so every block has ``block_size`` rows: the last query block repeats
+    row ``n - 1`` (dropped), the last key block repeats key ``s - 1`` (invisible).  A
+    query block visits a fixed number of key blocks from its first one; those past its
+    own count are skipped (:func:`~arrayattn.reference.scan.cond`).
     """
     xp = array_namespace(q, k, v)
-    n, s = q.shape[-2], k.shape[-2]
-    outputs, lses = [], []
-    for i0 in range(0, n, block_size):
-        i1 = min(i0 + block_size, n)
-        m = l = acc = None
-        for j0, j1 in key_blocks(lg, s, block_size, i0, i1):
-            x, allowed, _ = tile_logits(lg, q, k, i0, i1, j0, j1)
-            if allowed is not None:
-                x = xp.where(allowed, x, -xp.inf)
-            m_new = xp.max(x, axis=-1, keepdims=True)
-            m_new = m_new if m is None else xp.maximum(m, m_new)
-            # A row with no allowed key yet keeps m = -inf but is shifted by 0 (no NaN).
-            shift_by = xp.where(m_new == -xp.inf, 0.0, m_new)
-            e = xp.exp(x - shift_by)
-            corr = 0.0 if m is None else xp.exp(m - shift_by)
-            l = xp.sum(e, axis=-1, keepdims=True) + (0.0 if m is None else corr * l)
-            pv = dropped(e, dropout, i0, i1, j0, j1) @ visible_rows(v[..., j0:j1, :], allowed)
-            acc = pv + (0.0 if m is None else corr * acc)
-            m = m_new
-        outputs.append(acc / xp.where(l > 0, l, 1.0))
-        lses.append(log_total(l, m)[..., 0])
-    return xp.concat(outputs, axis=-2), xp.concat(lses, axis=-1)
+    n, s, b = q.shape[-2], k.shape[-2], block_size
+    if n == 0:
+        return attention(q, k, v, lg, dropout=dropout)
+    spans = [key_blocks(lg, s, b, i0, min(i0 + b, n)) for i0 in range(0, n, b)]
+    first = [span[0][0] for span in spans]     # each query block's first key and its
+    count = [len(span) for span in spans]      # number of key blocks (static tables)
+    offsets = xp.arange(b, device=device(q))
+
+    def query_block(_, i0, j_first, visits):
+        rows = xp.minimum(i0 + offsets, n - 1)
+
+        def key_block(state, t):
+            def merge(state):
+                m, l, acc = state
+                at = j_first + t * b + offsets
+                cols = xp.minimum(at, s - 1)
+                x, allowed, _ = tile_logits_at(lg, q, k, rows, cols)
+                if s % b:                                   # the repeated last key
+                    real = (at < s)[None, :]
+                    allowed = real if allowed is None else allowed & real
+                if allowed is not None:
+                    x = xp.where(allowed, x, -xp.inf)
+                m_new = xp.maximum(m, xp.max(x, axis=-1, keepdims=True))
+                # A row with no allowed key yet keeps m = -inf but is shifted by 0 (no NaN).
+                shift_by = xp.where(m_new == -xp.inf, 0.0, m_new)
+                e = xp.exp(x - shift_by)
+                corr = xp.exp(m - shift_by)
+                pv = dropped_at(e, dropout, rows, cols) @ visible_rows(pick(v, cols, -2),
+                                                                       allowed)
+                return m_new, xp.sum(e, axis=-1, keepdims=True) + corr * l, pv + corr * acc
+
+            return cond(t < visits, merge, state), None
+
+        start = (xp.full((b, 1), -xp.inf, dtype=q.dtype, device=device(q)),
+                 xp.zeros((b, 1), dtype=q.dtype, device=device(q)),
+                 xp.zeros((b, v.shape[-1]), dtype=q.dtype, device=device(q)))
+        (m, l, acc), _ = scan(key_block, start, (range(max(count)),), axis=0)
+        lse = log_total(l, m)
+        return None, (acc / xp.where(l > 0, l, 1.0), lse)
+
+    _, (out, lse) = scan(query_block, None, (range(0, n, b), first, count), axis=-3,
+                         like=q)
+    out, lse = (xp.reshape(x, (*x.shape[:-3], x.shape[-3] * b, x.shape[-1]))[..., :n, :]
+                for x in (out, lse))
+    return out, lse[..., 0]
 
 
 def key_blocks(lg: Logits, s: int, block_size: int, i0: int, i1: int):

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
+from .scan import scan
+
 __all__ = ["decay_matrix", "sum_after", "within_chunks", "gla_recurrent", "gla_chunked",
            "delta_recurrent", "delta_chunked", "in_chunks"]
 
@@ -36,6 +38,12 @@ def in_chunks(x, c: int):
     x = xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype,
                                device=device(x))], axis=-2)
     return xp.reshape(x, (*x.shape[:-2], x.shape[-2] // c, c, x.shape[-1]))
+
+
+def _unchunk(x, n: int):
+    """``(..., n/c, c, f)`` back to ``(..., n, f)``, the padding dropped."""
+    xp = array_namespace(x)
+    return xp.reshape(x, (*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
 
 
 def decay_matrix(g):
@@ -51,21 +59,27 @@ def decay_matrix(g):
                     xp.exp(seg), 0.0)
 
 
-def _token(xp, t, *arrays):
-    idx = xp.asarray([t], device=device(arrays[0]))   # eager JAX compiles one step, not n
-    return [xp.take(x, idx, axis=-2) for x in arrays]
+def _outer(a, b):
+    """``a^T b`` of row vectors ``a (..., f)``, ``b (..., e)``: ``(..., f, e)``."""
+    return a[..., :, None] * b[..., None, :]
+
+
+def _row_times(a, s):
+    """``a s`` of a row vector ``a (..., f)`` and ``s (..., f, e)``: ``(..., e)``."""
+    return (a[..., None, :] @ s)[..., 0, :]
 
 
 def gla_recurrent(q, k, v, g, s0):
     """``S_t = diag(exp g_t) S_(t-1) + k_t^T v_t``, ``o_t = q_t S_t``, one token at a
     time: ``(O, S_n)``."""
     xp = array_namespace(q, k, v, g)
-    s, out = s0, []
-    for t in range(q.shape[-2]):
-        qt, kt, vt, gt = _token(xp, t, q, k, v, g)
-        s = xp.exp(xp.matrix_transpose(gt)) * s + xp.matrix_transpose(kt) @ vt
-        out.append(qt @ s)
-    return xp.concat(out, axis=-2), s
+
+    def token(s, qt, kt, vt, gt):
+        s = xp.exp(gt)[..., :, None] * s + _outer(kt, vt)
+        return s, _row_times(qt, s)
+
+    s, out = scan(token, s0, (q, k, v, g), axis=-2)
+    return out, s
 
 
 def sum_after(g):
@@ -118,24 +132,27 @@ def gla_chunked(q, k, v, g, s0, chunk_size: int):
         within = ((qc @ xp.matrix_transpose(kc)) * decay_matrix(gc)[..., 0]) @ vc
     into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # state -> query t
     upd = xp.matrix_transpose(kc * xp.exp(sum_after(gc))) @ vc      # keys -> chunk end
-    s, out = s0, []
-    for i in range(qc.shape[-3]):
-        out.append(within[..., i, :, :] + (qc[..., i, :, :] * into[..., i, :, :]) @ s)
-        s = xp.matrix_transpose(into[..., i, -1:, :]) * s + upd[..., i, :, :]
-    return xp.concat(out, axis=-2)[..., :n, :], s
+
+    def chunk(s, within_i, q_i, into_i, upd_i):
+        out = within_i + (q_i * into_i) @ s
+        return xp.matrix_transpose(into_i[..., -1:, :]) * s + upd_i, out
+
+    s, out = scan(chunk, s0, (within, qc, into, upd), axis=-3)
+    return _unchunk(out, n), s
 
 
 def delta_recurrent(q, k, v, beta, g, s0):
     """``S_t = exp(g_t) (I - beta_t k_t^T k_t) S_(t-1) + beta_t k_t^T v_t``, i.e. the
     memory at key ``k_t`` moved a fraction ``beta_t`` towards ``v_t``: ``(O, S_n)``."""
     xp = array_namespace(q, k, v, beta, g)
-    s, out = s0, []
-    for t in range(q.shape[-2]):
-        qt, kt, vt, bt, gt = _token(xp, t, q, k, v, beta[..., None], g)
-        s = xp.exp(gt) * s
-        s = s + xp.matrix_transpose(kt) @ (bt * (vt - kt @ s))
-        out.append(qt @ s)
-    return xp.concat(out, axis=-2), s
+
+    def token(s, qt, kt, vt, bt, gt):
+        s = xp.exp(gt)[..., None] * s
+        s = s + _outer(kt, bt * (vt - _row_times(kt, s)))
+        return s, _row_times(qt, s)
+
+    s, out = scan(token, s0, (q, k, v, beta[..., None], g), axis=-2)
+    return out, s
 
 
 def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
@@ -154,10 +171,12 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     t = xp.linalg.solve(eye + bc * strict, eye * xp.matrix_transpose(bc))
     qk = (qc @ xp.matrix_transpose(kc)) * gam
     into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # (..., nc, c, 1)
-    s, out = s0, []
-    for i in range(qc.shape[-3]):
-        u = t[..., i, :, :] @ (vc[..., i, :, :] - (kc[..., i, :, :] * into[..., i, :, :]) @ s)
-        out.append((qc[..., i, :, :] * into[..., i, :, :]) @ s + qk[..., i, :, :] @ u)
-        s = into[..., i, -1:, :] * s + xp.matrix_transpose(
-            kc[..., i, :, :] * xp.matrix_transpose(gam[..., i, -1:, :])) @ u
-    return xp.concat(out, axis=-2)[..., :n, :], s
+    to_end = xp.matrix_transpose(gam[..., -1:, :])                  # (..., nc, c, 1)
+
+    def chunk(s, t_i, q_i, k_i, v_i, qk_i, into_i, to_end_i):
+        u = t_i @ (v_i - (k_i * into_i) @ s)
+        out = (q_i * into_i) @ s + qk_i @ u
+        return into_i[..., -1:, :] * s + xp.matrix_transpose(k_i * to_end_i) @ u, out
+
+    s, out = scan(chunk, s0, (t, qc, kc, vc, qk, into, to_end), axis=-3)
+    return _unchunk(out, n), s

@@ -17,6 +17,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .masks import masked_softmax, zero_masked_keys
+from .scan import scan
 
 __all__ = ["kernel_attention", "kernel_recurrent", "kernel_cumsum", "kernel_chunked",
            "guarded_divide", "linear_attention", "efficient_attention"]
@@ -33,15 +34,13 @@ def guarded_divide(num, eps: float):
 def kernel_recurrent(phi_q, phi_k, v1, sz0):
     """The RNN form, one token at a time: ``Sz_t = Sz_(t-1) + phi_k(k_t) [v_t, 1]^T``,
     ``num_t = phi_q(q_t) Sz_t`` (``n == s``).  Returns ``(num, Sz_n)``."""
-    xp = array_namespace(phi_q, phi_k, v1)
-    sz, num = sz0, []
-    for t in range(phi_q.shape[-2]):
-        # token t by an index array: eager JAX then compiles one step, not one per token
-        idx = xp.asarray([t], device=device(phi_q))
-        qt, kt, vt = (xp.take(x, idx, axis=-2) for x in (phi_q, phi_k, v1))
-        sz = sz + xp.matrix_transpose(kt) @ vt
-        num.append(qt @ sz)
-    return xp.concat(num, axis=-2), sz
+
+    def token(sz, qt, kt, vt):
+        sz = sz + kt[..., :, None] * vt[..., None, :]
+        return sz, (qt[..., None, :] @ sz)[..., 0, :]
+
+    sz, num = scan(token, sz0, (phi_q, phi_k, v1), axis=-2)
+    return num, sz
 
 
 def kernel_cumsum(phi_q, phi_k, v1, sz0):

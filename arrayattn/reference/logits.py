@@ -26,7 +26,7 @@ from array_api_compat import array_namespace, device
 
 from .finite import poisoned_logits
 
-__all__ = ["Logits", "tile_logits", "segment_ids"]
+__all__ = ["Logits", "tile_logits", "tile_logits_at", "pick", "segment_ids"]
 
 
 @dataclass(frozen=True)
@@ -97,40 +97,60 @@ def tile_logits(lg: Logits, q, k, i0: int, i1: int, j0: int, j1: int, *, slope=F
     """``(x, visible, dx)`` of the tile ``q[..., i0:i1, :]`` x ``k[..., j0:j1, :]``
     (``q``, ``k`` the whole arrays): the final logits, the boolean visibility (``None``:
     all visible) and, when ``slope`` is asked, ``dx/dx_raw`` (``None``: 1)."""
+    return tile_logits_at(lg, q, k, slice(i0, i1), slice(j0, j1), slope=slope)
+
+
+def pick(x, idx, axis: int):
+    """``x`` at ``idx`` along ``axis``: a slice, or an integer index array (a block at an
+    offset that is traced under ``jax.jit``)."""
+    axis = axis % x.ndim
+    if isinstance(idx, slice):
+        return x[(slice(None),) * axis + (idx, ...)]
+    return array_namespace(x).take(x, idx, axis=axis)
+
+
+def _positions(xp, idx, dev):
+    return xp.arange(idx.start, idx.stop, device=dev) if isinstance(idx, slice) else idx
+
+
+def tile_logits_at(lg: Logits, q, k, rows, cols, *, slope=False):
+    """:func:`tile_logits` of the query positions ``rows`` and key positions ``cols``,
+    each a slice or an integer index array (see :func:`pick`)."""
     xp = array_namespace(q, k)
     dev = device(q)
-    x = (q[..., i0:i1, :] * lg.scale) @ xp.matrix_transpose(k[..., j0:j1, :])
-    rows, cols = xp.arange(i0, i1, device=dev), xp.arange(j0, j1, device=dev)
-    diag = (rows + lg.shift)[:, None] if isinstance(lg.shift, int) else (
-        lg.shift[..., i0:i1, None] + rows[:, None])
+    x = (pick(q, rows, -2) * lg.scale) @ xp.matrix_transpose(pick(k, cols, -2))
+    r, c = _positions(xp, rows, dev), _positions(xp, cols, dev)
+    diag = (r + lg.shift)[:, None] if isinstance(lg.shift, int) else (
+        pick(lg.shift, rows, -1)[..., None] + r[:, None])
     dx = None
     if lg.softcap is not None:
         t = xp.tanh(x / lg.softcap)
         x, dx = lg.softcap * t, (1.0 - t * t if slope else None)
-    idx = (_indices(xp, lg, tuple(x.shape), rows, cols, dev)
+    idx = (_indices(xp, lg, tuple(x.shape), r, c, dev)
            if lg.score_mod is not None or lg.mask_mod is not None else None)
     if lg.score_mod is not None:
         x, mod_dx = _with_slope(lg.score_mod, x, idx) if slope else (lg.score_mod(x, *idx), None)
         dx = mod_dx if dx is None else (None if mod_dx is None else dx * mod_dx)
     if lg.bias is not None:
-        x = x + lg.bias[..., i0:i1, j0:j1]
+        x = x + pick(pick(lg.bias, rows, -2), cols, -1)
     if lg.alibi_slopes is not None:
-        x = x - lg.alibi_slopes[..., None, None] * xp.astype(xp.abs(diag - cols), x.dtype)
+        x = x - lg.alibi_slopes[..., None, None] * xp.astype(xp.abs(diag - c), x.dtype)
     if lg.poison is not None:
-        x = poisoned_logits(x, lg.poison[..., j0:j1])
+        x = poisoned_logits(x, pick(lg.poison, cols, -1))
     visible = []
     if lg.left is not None:
-        visible.append(cols >= diag - lg.left)
+        visible.append(c >= diag - lg.left)
     if lg.right is not None:
-        visible.append(cols <= diag + lg.right)
+        visible.append(c <= diag + lg.right)
     if lg.segments is not None:
-        visible.append(lg.segments[0][i0:i1, None] == lg.segments[1][None, j0:j1])
+        visible.append(pick(lg.segments[0], rows, 0)[:, None]
+                       == pick(lg.segments[1], cols, 0)[None, :])
     if lg.key_mask is not None:
-        visible.append(lg.key_mask[..., None, j0:j1])
+        visible.append(pick(lg.key_mask, cols, -1)[..., None, :])
     if lg.query_mask is not None:
-        visible.append(lg.query_mask[..., i0:i1, None])
+        visible.append(pick(lg.query_mask, rows, -1)[..., None])
     if lg.mask is not None:
-        visible.append(lg.mask[..., i0:i1, j0:j1])
+        visible.append(pick(pick(lg.mask, rows, -2), cols, -1))
     if lg.mask_mod is not None:
         visible.append(xp.astype(lg.mask_mod(*idx), xp.bool))
     allowed = None

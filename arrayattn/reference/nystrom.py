@@ -17,6 +17,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .masks import masked_softmax, zero_masked_keys
+from .scan import fori
 
 __all__ = ["masked_segment_means", "pinv_svd", "pinv_razavi", "nystrom_attention",
            "landmark_attention", "depthwise_conv"]
@@ -72,10 +73,12 @@ def pinv_razavi(a, iters: int, init: str = "per_matrix"):
     z = xp.matrix_transpose(a) * xp.where(denom > 0, 1.0 / xp.where(denom > 0, denom, 1.0),
                                           0.0)
     eye = xp.eye(a.shape[-2], dtype=a.dtype, device=device(a))
-    for _ in range(iters):
+
+    def iteration(z):
         az = a @ z
-        z = 0.25 * (z @ (13.0 * eye - az @ (15.0 * eye - az @ (7.0 * eye - az))))
-    return z
+        return 0.25 * (z @ (13.0 * eye - az @ (15.0 * eye - az @ (7.0 * eye - az))))
+
+    return fori(iteration, z, iters)
 
 
 def _landmarks(q, k, v, m, key_mask, query_mask):

@@ -17,6 +17,7 @@ from array_api_compat import array_namespace, device
 
 from .kernel import guarded_divide, kernel_attention
 from .masks import zero_masked_keys
+from .scan import scan
 
 __all__ = ["random_fourier_features", "rfa_attention", "gated_rfa", "gated_recurrent",
            "gated_chunked"]
@@ -35,15 +36,14 @@ def gated_recurrent(phi_q, phi_k, v1, g):
     """``Sz_t = g_t Sz_(t-1) + (1 - g_t) phi_k(k_t) [v_t, 1]^T``, ``num_t = phi_q(q_t)
     Sz_t``, one token at a time."""
     xp = array_namespace(phi_q, phi_k, v1, g)
-    sz = xp.matrix_transpose(phi_k[..., :0, :]) @ v1[..., :0, :]   # the sum over no keys
-    num = []
-    for t in range(phi_q.shape[-2]):
-        idx = xp.asarray([t], device=device(phi_q))
-        qt, kt, vt = (xp.take(x, idx, axis=-2) for x in (phi_q, phi_k, v1))
-        gt = xp.take(g, idx, axis=-1)[..., None]
-        sz = gt * sz + (1 - gt) * (xp.matrix_transpose(kt) @ vt)
-        num.append(qt @ sz)
-    return xp.concat(num, axis=-2)
+    sz0 = xp.matrix_transpose(phi_k[..., :0, :]) @ v1[..., :0, :]   # the sum over no keys
+
+    def token(sz, qt, kt, vt, gt):
+        gt = gt[..., None]                                       # (..., 1, 1)
+        sz = gt * sz + (1 - gt) * (kt[..., :, None] * vt[..., None, :])
+        return sz, (qt[..., None, :] @ sz)[..., 0, :]
+
+    return scan(token, sz0, (phi_q, phi_k, v1, g[..., None]), axis=-2)[1]
 
 
 def gated_chunked(phi_q, phi_k, v1, g, chunk_size: int):
@@ -75,12 +75,14 @@ def gated_chunked(phi_q, phi_k, v1, g, chunk_size: int):
     num = ((qc @ xp.matrix_transpose(kc)) * decay) @ vc             # within each chunk
     into = xp.exp(xp.cumulative_sum(lc, axis=-1))                    # state -> query t
     upd = xp.matrix_transpose(kc * (wc * xp.exp(seg[..., -1, :]))[..., None]) @ vc
-    outs, state = [num[..., 0, :, :]], None
-    for i in range(1, nc):
-        state = upd[..., i - 1, :, :] if state is None else (
-            into[..., i - 1, -1, None, None] * state + upd[..., i - 1, :, :])
-        outs.append(num[..., i, :, :] + into[..., i, :, None] * (qc[..., i, :, :] @ state))
-    return xp.concat(outs, axis=-2)[..., :n, :]
+    state0 = xp.zeros_like(upd[..., 0, :, :])                        # no earlier key
+
+    def chunk(state, num_i, q_i, into_i, upd_i):
+        out = num_i + into_i * (q_i @ state)
+        return into_i[..., -1:, :] * state + upd_i, out
+
+    out = scan(chunk, state0, (num, qc, into[..., None], upd), axis=-3)[1]
+    return xp.reshape(out, (*out.shape[:-3], nc * c, out.shape[-1]))[..., :n, :]
 
 
 def gated_rfa(phi_q, phi_k, v, g, *, key_mask=None, method="chunked", chunk_size=64,

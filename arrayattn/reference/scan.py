@@ -4,24 +4,33 @@
 ``i = 0 .. len - 1`` along axis ``a`` of every array in ``xs`` (the slice ``x_i`` has that
 axis removed, as in :func:`jax.lax.scan`) and stacks the ``y`` back along ``a``.
 ``reverse=True`` walks from the end (the backward pass's reverse-time recurrences); the
-``ys`` keep the forward order.
+``ys`` keep the forward order.  An entry of ``xs`` may also be a static table, a Python
+``range`` or list of ints (block offsets, counts): the step gets the Python int, or on
+JAX a traced integer.
 
 On JAX it *is* :func:`jax.lax.scan`: the body is traced once, so the compiled program and
 its compile time do not grow with the sequence length (a Python loop is unrolled by
 ``jax.jit``).  Everywhere else it is the plain loop it describes.  ``step`` returns
 ``(carry, y)``; ``y`` may be an array, a tuple of arrays or ``None`` (nothing stacked).
-The carry must keep its shapes and dtypes from step to step.
+The carry may start smaller than it ends (a ``(c, f)`` zero state that the first step
+broadcasts to the batch, a float32 start promoted by float64 inputs): on JAX it is
+broadcast and cast once to the shape and dtype one step gives it, as the plain loop
+would have grown it.
+
+:func:`fori` repeats a step a fixed number of times (``jax.lax.fori_loop``);
+:func:`cond` runs a step or skips it (``jax.lax.cond``: a skipped block costs nothing
+under ``jax.jit``; elsewhere the condition is a Python bool).  All three are
+differentiable by ``jax.grad``.
 """
 from __future__ import annotations
 
 import array_api_compat
 
-__all__ = ["scan", "fori"]
+__all__ = ["scan", "fori", "cond"]
 
 
-def _is_jax(xs, carry):
-    probe = [x for x in (*xs, *_leaves(carry)) if hasattr(x, "shape")]
-    return bool(probe) and array_api_compat.is_jax_array(probe[0])
+def _is_table(x) -> bool:
+    return isinstance(x, (range, list, tuple))
 
 
 def _leaves(tree):
@@ -30,21 +39,47 @@ def _leaves(tree):
     return [] if tree is None else [tree]
 
 
-def scan(step, carry, xs, *, axis: int, reverse: bool = False):
+def _is_jax(*trees) -> bool:
+    probe = [x for t in trees for x in _leaves(t) if hasattr(x, "shape")]
+    return bool(probe) and array_api_compat.is_jax_array(probe[0])
+
+
+def _settled(fn, carry, *args):
+    """The carry broadcast and cast to what ``fn(carry, *args)`` returns as carry (JAX)."""
+    import jax
+    import jax.numpy as jnp
+
+    for _ in range(3):     # each pass can only grow shapes / promote dtypes: few passes
+        out = jax.eval_shape(fn, carry, *args)
+        flat, tree = jax.tree_util.tree_flatten(carry)
+        want = jax.tree_util.tree_leaves(out)
+        if all(x.shape == w.shape and x.dtype == w.dtype for x, w in zip(flat, want)):
+            return carry
+        carry = jax.tree_util.tree_unflatten(tree, [
+            jnp.broadcast_to(jnp.asarray(x), w.shape).astype(w.dtype)
+            for x, w in zip(flat, want)])
+    return carry
+
+
+def scan(step, carry, xs, *, axis: int, reverse: bool = False, like=None):
     """``(carry, ys)``: ``step(carry, *slices)`` along ``axis`` of each array in ``xs``.
 
     Parameters
     ----------
     step : callable
         ``step(carry, *x_i) -> (carry, y)``.
-    carry : array or tuple of arrays
-        The loop-carried state (fixed shapes and dtypes).
-    xs : tuple of arrays
-        Scanned together along ``axis`` (same length there).
+    carry : array, tuple of arrays or None
+        The loop-carried state.
+    xs : tuple of arrays or static tables
+        Scanned together along ``axis`` (same length there); a table (``range`` or list of
+        ints) gives its ``i``-th entry.
     axis : int
-        The sequence axis (negative: counted from the end, the same for every array).
+        The sequence axis (negative: counted from the end, the same for every array and
+        for the stacked ``ys``).
     reverse : bool
         Walk from the last index to the first.
+    like : array, optional
+        An array of the namespace, when neither ``carry`` nor ``xs`` holds an array.
 
     Returns
     -------
@@ -53,23 +88,31 @@ def scan(step, carry, xs, *, axis: int, reverse: bool = False):
         step returns ``None``).
     """
     xs = tuple(xs)
-    if _is_jax(xs, carry):
+    arrays = [x for x in xs if not _is_table(x)]
+    if _is_jax(arrays, carry, like):
         import jax
         import jax.numpy as jnp
 
-        moved = tuple(jnp.moveaxis(x, axis, 0) for x in xs)
-        carry, ys = jax.lax.scan(lambda c, x: step(c, *x), carry, moved, reverse=reverse)
+        moved = tuple(jnp.asarray(x, dtype=jnp.int32) if _is_table(x) else
+                      jnp.moveaxis(x, axis, 0) for x in xs)
+
+        def body(c, x):
+            return step(c, *x)
+
+        first = tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in moved)
+        carry = _settled(lambda c, x: body(c, x)[0], carry, first)
+        carry, ys = jax.lax.scan(body, carry, moved, reverse=reverse)
         return carry, _map(lambda y: jnp.moveaxis(y, 0, axis), ys)
-    xp = _namespace(xs, carry)
-    length = xs[0].shape[axis]
+    length = len(xs[0]) if _is_table(xs[0]) else xs[0].shape[axis]
     ys = []
     for i in (range(length - 1, -1, -1) if reverse else range(length)):
-        carry, y = step(carry, *(_take(x, i, axis) for x in xs))
+        carry, y = step(carry, *(x[i] if _is_table(x) else _take(x, i, axis) for x in xs))
         ys.append(y)
     if reverse:
         ys.reverse()
     if not ys or ys[0] is None:
         return carry, None
+    xp = array_api_compat.array_namespace(*_leaves(ys[0]))
     if isinstance(ys[0], tuple):
         return carry, tuple(xp.stack([y[j] for y in ys], axis=axis)
                             for j in range(len(ys[0])))
@@ -79,17 +122,27 @@ def scan(step, carry, xs, *, axis: int, reverse: bool = False):
 def fori(step, carry, count: int):
     """``carry = step(carry)`` ``count`` times (``jax.lax.fori_loop`` on JAX): fixed-count
     iterations such as the iterative pseudo-inverse, traced once under ``jax.jit``."""
-    leaves = _leaves(carry)
-    if leaves and array_api_compat.is_jax_array(leaves[0]):
+    if _is_jax(carry):
         import jax
+        carry = _settled(step, carry)
         return jax.lax.fori_loop(0, count, lambda _, c: step(c), carry)
     for _ in range(count):
         carry = step(carry)
     return carry
 
 
-def _namespace(xs, carry):
-    return array_api_compat.array_namespace(*xs, *_leaves(carry))
+def cond(pred, step, carry):
+    """``step(carry)`` where ``pred`` holds, else ``carry``: :func:`jax.lax.cond` when
+    ``pred`` is a JAX (traced) boolean -- the step not taken is not run -- and a Python
+    ``if`` on a Python bool elsewhere (no host read)."""
+    if isinstance(pred, bool):
+        return step(carry) if pred else carry
+    if not array_api_compat.is_jax_array(pred):
+        raise TypeError(f"cond: pred must be a Python bool or a JAX boolean; got "
+                        f"{type(pred).__name__}")
+    import jax
+    carry = _settled(step, carry)
+    return jax.lax.cond(pred, step, lambda c: c, carry)
 
 
 def _take(x, i: int, axis: int):

@@ -1,0 +1,106 @@
+"""Compile once, whatever n (#26): the program ``jax.jit`` compiles does not grow with n.
+
+Every loop over tokens, chunks, key blocks, hash rounds or pinv iterations in the
+reference forms is a :func:`arrayattn.reference.scan.scan` (``jax.lax.scan`` on JAX), so
+the lowered program -- counted in StableHLO operations -- is the same size at two
+sequence lengths (a Python loop would be unrolled: its program grows with n).  The
+sizes are chosen so that every loop runs several times at the larger one (blockwise
+exact: 512-key blocks on the CPU; chunked forms: 16-64 tokens per chunk).  Only
+lowering runs here (no XLA compile): seconds for the whole file.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import arrayattn
+from arrayattn import reference
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+RECORDS = arrayattn.variants()
+IDS = [r.name for r in RECORDS]
+SIZES = (1024, 4096)
+#: Operations allowed to differ between the two sizes (a shape-dependent branch of a
+#: helper, e.g. one padding concat more); a loop unrolled 4x more adds hundreds.
+SLACK = 8
+
+
+def op_count(lowered) -> int:
+    """StableHLO operations of a lowered program (the lines that define or run one)."""
+    return sum(1 for line in lowered.as_text().splitlines()
+               if re.search(r"= (stablehlo|chlo|mhlo|func)\.|^\s*(stablehlo|func)\.", line))
+
+
+def _ops(fn, *shapes) -> int:
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    return op_count(jax.jit(fn).lower(*args))
+
+
+def _assert_flat(counts):
+    assert counts[1] <= counts[0] + SLACK, (
+        f"the lowered program grows with n: {counts[0]} ops at n={SIZES[0]}, "
+        f"{counts[1]} at n={SIZES[1]} (a Python loop over the sequence is unrolled)")
+
+
+@pytest.mark.parametrize("rec", RECORDS, ids=IDS)
+def test_every_variant(rec):
+    """Each registered variant's uniform call, causal where it can be (the chunked and
+    recurrent loops are there), at two lengths."""
+    opts = {"causal": True} if rec.causal else {}
+    _assert_flat([_ops(lambda q, k, v: rec(q, k, v, **opts), *[(1, 2, n, 16)] * 3)
+                   for n in SIZES])
+
+
+#: The loops that the uniform calls do not reach with their defaults.
+FORMS = {
+    "gla recurrent": lambda q, k, v: arrayattn.gla_attention(
+        q, k, v, -jnp.abs(q) * 0.1, method="recurrent"),
+    "gated deltanet recurrent": lambda q, k, v: arrayattn.gated_delta_attention(
+        q, k, v, jax.nn.sigmoid(q[..., 0]), -jnp.abs(k[..., 0]), method="recurrent"),
+    "linear attention recurrent": lambda q, k, v: arrayattn.linear_attention(
+        q, k, v, causal=True, method="recurrent"),
+    "gated rfa recurrent": lambda q, k, v: arrayattn.rfa_attention(
+        q, k, v, causal=True, gate=jax.nn.sigmoid(q[..., 0]), method="recurrent"),
+    "gated rfa chunked": lambda q, k, v: arrayattn.rfa_attention(
+        q, k, v, causal=True, gate=jax.nn.sigmoid(q[..., 0])),
+    "blockwise window": lambda q, k, v: arrayattn.softmax_attention(
+        q, k, v, block_size=256, window=(300, 0), softcap=20.0),
+    "blockwise bias": lambda q, k, v: arrayattn.softmax_attention(
+        q, k, v, block_size=256, bias=q[..., :1] * k[..., 0][..., None, :]),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_forms(name):
+    """The recurrent forms, gated RFA and blockwise exact with options."""
+    _assert_flat([_ops(FORMS[name], *[(1, 2, n, 16)] * 3) for n in SIZES])
+
+
+def test_lsh_blocks_of_chunks(monkeypatch):
+    """LSH's blocks of chunks (one chunk per block here) scan too, as do its rounds."""
+    import arrayattn.reference.lsh as lsh_module
+
+    monkeypatch.setattr(lsh_module, "_TILE", 1)
+    rec = arrayattn.get_variant("lsh")
+    _assert_flat([_ops(lambda q, k, v: rec(q, k, v), *[(1, 2, n, 16)] * 3)
+                  for n in (256, 1024)])
+
+
+def test_pinv_iterations():
+    """Razavi's iterations are one loop body whatever their number."""
+    counts = [_ops(lambda a: reference.pinv_razavi(a, iters), (2, 32, 32)) for iters in (6, 24)]
+    assert counts[1] <= counts[0] + SLACK
+
+
+def test_sizes_exercise_the_loops():
+    """The sizes above do run the loops several times (else the test proves nothing):
+    blockwise exact's CPU block is 512, so 2 and 8 query blocks."""
+    from arrayattn._devices import CPU_BLOCK
+
+    assert SIZES[0] >= 2 * CPU_BLOCK and SIZES[1] >= 4 * SIZES[0] // 2
+    q = np.zeros((1, 2, SIZES[0], 16), np.float32)
+    assert arrayattn.get_variant("softmax_blockwise")(q, q, q).shape == q.shape

@@ -1,0 +1,197 @@
+"""The one loop helper (``reference/scan.py``, #26) and the forms written with it.
+
+``scan``/``fori``/``cond`` are ``jax.lax`` loops on JAX and plain Python loops elsewhere;
+these tests check the two agree (results, reverse order, static tables, a carry that
+starts smaller than it ends, skipped steps), and that ``jax.grad`` through every scanned
+reference form equals torch autograd through the same form run as the plain (unrolled)
+loop, float64, to 1e-10 relative (the backward issue's bar).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from arrayattn import reference as R
+from arrayattn.reference.logits import Logits
+from arrayattn.reference.scan import cond, fori, scan
+
+jax = pytest.importorskip("jax")
+torch = pytest.importorskip("torch")
+jax.config.update("jax_enable_x64", True)
+jnp = jax.numpy
+
+RTOL = 1e-10
+
+
+def _close(got, want, rtol=RTOL):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    scale = max(float(np.max(np.abs(want))), 1e-300) if want.size else 1.0
+    err = float(np.max(np.abs(got - want))) if want.size else 0.0
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol:g} x {scale:.3g}"
+
+
+# --- the helper ------------------------------------------------------------------------
+
+def _cumulative(xp_x, reverse=False):
+    def step(c, x):
+        c = c + x
+        return c, c * 2.0
+    return scan(step, xp_x[..., 0, :] * 0.0, (xp_x,), axis=-2, reverse=reverse)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_numpy_and_jax_agree(reverse):
+    x = np.random.default_rng(0).standard_normal((3, 7, 4))
+    c_np, y_np = _cumulative(x, reverse)
+    c_jx, y_jx = jax.jit(lambda x: _cumulative(x, reverse))(jnp.asarray(x))
+    _close(c_jx, c_np, 1e-14)
+    _close(y_jx, y_np, 1e-14)
+    want = np.cumsum(x[:, ::-1], axis=1)[:, ::-1] if reverse else np.cumsum(x, axis=1)
+    _close(y_np, 2 * want, 1e-14)
+
+
+def test_scan_static_tables_and_like():
+    """A ``range``/list in ``xs`` gives Python ints off JAX, traced ints on JAX; ``like``
+    names the namespace when nothing else is an array."""
+    seen = []
+
+    def step(_, i, w):
+        seen.append(type(i))
+        return None, (i * w) * jnp.ones(2) if isinstance(i, jax.Array) else (
+            np.full(2, float(i * w)))
+
+    _, ys = scan(step, None, (range(4), [1, 2, 3, 4]), axis=0, like=np.zeros(1))
+    assert seen == [int] * 4 and ys.tolist() == [[0, 0], [2, 2], [6, 6], [12, 12]]
+    _, yj = scan(step, None, (range(4), [1, 2, 3, 4]), axis=0, like=jnp.zeros(1))
+    _close(yj, ys, 0)
+
+
+def test_scan_carry_settles_on_jax():
+    """A ``(f,)`` float32 zero start that the first step broadcasts to ``(b, f)`` and
+    promotes to float64: the plain loop grows it; on JAX it is grown once up front."""
+    x = np.random.default_rng(1).standard_normal((2, 5, 3))
+
+    def run(x):
+        return scan(lambda c, xt: (c + xt, None), jnp.zeros(3, jnp.float32) if isinstance(
+            x, jax.Array) else np.zeros(3, np.float32), (x,), axis=-2)[0]
+
+    got = jax.jit(run)(jnp.asarray(x))
+    assert got.shape == (2, 3) and got.dtype == jnp.float64
+    _close(got, run(x), 1e-14)
+
+
+def test_cond_and_fori():
+    assert cond(True, lambda c: c + 1, 1) == 2 and cond(False, lambda c: c + 1, 1) == 1
+    with pytest.raises(TypeError):
+        cond(np.bool_(True), lambda c: c, 1)
+    f = jax.jit(lambda p, c: cond(p, lambda c: c * 2.0, c))
+    assert float(f(True, 3.0)) == 6.0 and float(f(False, 3.0)) == 3.0
+    a = np.random.default_rng(2).standard_normal((4, 4))
+    _close(jax.jit(lambda a: fori(lambda z: z @ a, a, 5))(jnp.asarray(a)),
+           fori(lambda z: z @ a, a, 5), 1e-12)
+
+
+# --- jax.grad through the scanned forms == torch autograd through the plain loops --------
+
+def _grads(backend, form, args, weights):
+    """Gradients of ``sum_i <out_i, w_i>`` with respect to every argument."""
+    if backend == "jax":
+        def loss(*a):
+            outs = form(*a)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            return sum(jnp.sum(o * w) for o, w in zip(outs, weights))
+        xs = [jnp.asarray(a) for a in args]
+        return [np.asarray(g) for g in jax.jit(jax.grad(loss, argnums=tuple(range(len(xs)))))(*xs)]
+    ts = [torch.tensor(a, requires_grad=True) for a in args]
+    outs = form(*ts)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    sum((o * torch.tensor(w)).sum() for o, w in zip(outs, weights)).backward()
+    return [np.zeros(t.shape) if t.grad is None else t.grad.numpy() for t in ts]
+
+
+def _check(form, args, seed=0):
+    args = [np.asarray(a, dtype=np.float64) for a in args]
+    outs = form(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal(np.shape(o)) for o in outs]
+    for got, want in zip(_grads("jax", form, args, weights),
+                         _grads("torch", form, args, weights)):
+        _close(got, want)
+
+
+def _qkv(rng, n=37, d=6, dv=5, batch=(2, 2)):
+    return (rng.standard_normal((*batch, n, d)), rng.standard_normal((*batch, n, d)),
+            rng.standard_normal((*batch, n, dv)))
+
+
+@pytest.mark.parametrize("per_dim", [True, False])
+def test_grad_gla(per_dim):
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng)
+    g = -np.abs(rng.standard_normal((*q.shape[:-1], q.shape[-1] if per_dim else 1))) * 0.3
+    s0 = rng.standard_normal((*q.shape[:-2], q.shape[-1], v.shape[-1]))
+    _check(R.gla_recurrent, (q, k, v, g, s0))
+    _check(lambda *a: R.gla_chunked(*a, 8), (q, k, v, g, s0))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_grad_delta(gated):
+    rng = np.random.default_rng(4)
+    q, k, v = _qkv(rng)
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = 1 / (1 + np.exp(-rng.standard_normal(q.shape[:-1])))
+    g = (-np.abs(rng.standard_normal((*q.shape[:-1], 1))) * 0.2) if gated else (
+        np.zeros((*q.shape[:-1], 1)))
+    s0 = rng.standard_normal((*q.shape[:-2], q.shape[-1], v.shape[-1]))
+    _check(R.delta_recurrent, (q, k, v, beta, g, s0))
+    _check(lambda *a: R.delta_chunked(*a, 8), (q, k, v, beta, g, s0))
+
+
+def test_grad_kernel_recurrent():
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng)
+    v1 = np.concatenate([v, np.ones((*v.shape[:-1], 1))], axis=-1)
+    sz0 = np.abs(rng.standard_normal((*q.shape[:-2], q.shape[-1], v1.shape[-1])))
+    _check(R.kernel_recurrent, (np.abs(q), np.abs(k), v1, sz0))
+
+
+def test_grad_gated_rfa():
+    rng = np.random.default_rng(6)
+    q, k, v = _qkv(rng)
+    v1 = np.concatenate([v, np.ones((*v.shape[:-1], 1))], axis=-1)
+    g = 1 / (1 + np.exp(-rng.standard_normal(q.shape[:-1]) - 1.0))
+    _check(R.gated_recurrent, (np.abs(q), np.abs(k), v1, g))
+    _check(lambda *a: R.gated_chunked(*a, 8), (np.abs(q), np.abs(k), v1, g))
+
+
+@pytest.mark.parametrize("options", [{}, {"right": 0}, {"left": 9, "right": 0},
+                                     {"left": 4, "right": 3, "softcap": 2.0}])
+def test_grad_blockwise(options):
+    """Blockwise exact over key blocks; with a window some query blocks skip key blocks
+    (``cond``), and ``n``, ``s`` are not multiples of the block (repeated rows/keys)."""
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, n=29)
+    k, v = k[..., :27, :], v[..., :27, :]
+    lg = Logits(scale=0.4, shift=27 - 29, **options)
+    _check(lambda q, k, v: R.attention_blockwise(q, k, v, lg, block_size=5), (q, k, v))
+
+
+def test_grad_lsh_blocks_of_chunks(monkeypatch):
+    import arrayattn.reference.lsh as lsh_module
+
+    monkeypatch.setattr(lsh_module, "_TILE", 1)           # one chunk per block
+    rng = np.random.default_rng(8)
+    qk, _, v = _qkv(rng, n=40)
+    rot = rng.standard_normal((3, qk.shape[-1], 2))       # 3 rounds, 4 buckets
+    for causal in (False, True):
+        _check(lambda qk, v, rot: R.lsh_attention_chunked(qk, v, rot, num_buckets=4,
+                                                         chunk_size=4, scale=0.5,
+                                                         causal=causal), (qk, v, rot))
+
+
+def test_grad_pinv_razavi():
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((2, 6, 6)) + 6 * np.eye(6)
+    _check(lambda a: R.pinv_razavi(a, 8), (a,))
