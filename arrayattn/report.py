@@ -49,6 +49,8 @@ import numpy as np
 from ._backends import get_array_backend
 from ._xp import to_numpy
 from .registry import attention_matrix, get_variant, variants
+from .report_plot import plot_report
+from .report_table import format_table
 
 __all__ = ["BASELINE", "Workload", "Row", "Progress", "kind_of", "baseline_row", "make_inputs", "reference", "run_report",
            "format_table", "rows_as_dicts", "parameter_default", "sweep_values", "run_sweeps",
@@ -297,32 +299,6 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
     return rows
 
 
-def _fmt(x, spec):
-    return "-" if x is None else format(x, spec)
-
-
-def format_table(rows) -> str:
-    """The report table (plain text, aligned columns)."""
-    head = ["variant", "case", "parameter", "rel. error", "matrix err", "row-sum dev",
-            "min ms", "median ms", "peak MiB", "kind"]
-    body = []
-    for r in rows:
-        if r.error:
-            body.append([r.variant, r.case, r.parameter, "error: " + r.error])
-            continue
-        body.append([r.variant, r.case, r.parameter, _fmt(r.rel_error, ".2e"),
-                     _fmt(r.matrix_error, ".2e"), _fmt(r.row_sum_dev, ".1e"),
-                     _fmt(r.min_ms, ".1f"), _fmt(r.median_ms, ".1f"),
-                     _fmt(r.peak_mib, ".1f"), r.kind])
-    widths = [max(len(row[i]) for row in [head] + [b for b in body if len(b) == len(head)])
-              for i in range(len(head))]
-    lines = ["  ".join(h.ljust(wd) for h, wd in zip(head, widths)).rstrip(),
-             "  ".join("-" * wd for wd in widths)]
-    for row in body:
-        lines.append("  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip())
-    return "\n".join(lines)
-
-
 def rows_as_dicts(rows):
     return [asdict(r) for r in rows]
 
@@ -393,97 +369,6 @@ def sweep_steps(w: Workload, names=None) -> int:
             for case in CASES}
     return (sum(len(sweep_values(r, n_of[c])) for r in recs for c in CASES)
             + len(recs) * len(ns))
-
-
-def _error_panels(names) -> list[tuple[str, str]]:
-    """``(family, parameter)`` pairs of the variants that approximate softmax attention and
-    have an approximation parameter: one panel each, so that num_features, num_landmarks,
-    window, stride and num_hashes never share an axis."""
-    panels = []
-    for name in names:
-        rec = get_variant(name)
-        if kind_of(rec) == "approximates softmax" and rec.parameter is not None:
-            key = (rec.family, rec.parameter)
-            if key not in panels:
-                panels.append(key)
-    return panels
-
-
-def plot_report(rows, sweeps, path, w: Workload) -> None:
-    """Small multiples: one row per case, one column per (family, parameter) of the
-    variants that approximate softmax -- relative error vs that parameter, the
-    mean-of-v baseline as a dotted line -- and, below, time vs n of every variant."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.gridspec import GridSpec
-
-    names = list(dict.fromkeys(r.variant for r in rows if r.kind != "baseline"))
-    panels = _error_panels(names)
-    cases = list(dict.fromkeys(r.case for r in rows)) or list(CASES)
-    ncol = max(1, len(panels))
-    fig = plt.figure(figsize=(max(12, 3.3 * ncol), 2.9 * len(cases) + 4.2))
-    grid = GridSpec(len(cases) + 1, ncol, figure=fig,
-                    height_ratios=[1] * len(cases) + [1.35])
-    palette = plt.get_cmap("tab10")
-    for i, case in enumerate(cases):
-        base = [r.rel_error for r in rows if r.case == case and r.kind == "baseline"]
-        for j, (family, parameter) in enumerate(panels):
-            ax = fig.add_subplot(grid[i, j])
-            members = [n for n in names if (get_variant(n).family, get_variant(n).parameter)
-                       == (family, parameter) and kind_of(get_variant(n)) ==
-                       "approximates softmax"]
-            for c, name in enumerate(members):        # colours do not repeat in a panel
-                pts = [p for p in sweeps["errors"] if p["variant"] == name
-                       and p["case"] == case and "rel_error" in p]
-                if pts:
-                    ax.plot([p["value"] for p in pts],
-                            [max(p["rel_error"], 1e-17) for p in pts], "-o", ms=3,
-                            color=palette(c % 10), label=name)
-            if base:
-                ax.axhline(base[0], color="black", ls=":", lw=1.5, label="baseline (mean of v)")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ys = [y for line in ax.get_lines() for y in np.atleast_1d(line.get_ydata())]
-            if ys:  # at least a decade, up to O(1): never a zoom on two close lines
-                ax.set_ylim(min(min(ys) / 3, max(ys) / 10), max(1.0, max(ys) * 3))
-            ax.grid(True, which="both", alpha=0.3)
-            ax.tick_params(labelsize=7)
-            if i == 0:
-                ax.set_title(f"{family}: {parameter}", fontsize=9)
-            if i == len(cases) - 1:
-                ax.set_xlabel(parameter, fontsize=8)
-            if j == 0:
-                ax.set_ylabel(f"{case}\nrel. error vs exact", fontsize=8)
-            ax.legend(fontsize=6, frameon=False, loc="best")
-        if not panels:
-            ax = fig.add_subplot(grid[i, 0])
-            ax.text(0.5, 0.5, "no approximate variant with a parameter selected",
-                    ha="center", va="center", transform=ax.transAxes)
-            ax.set_axis_off()
-    ax = fig.add_subplot(grid[len(cases), :])
-    cmap = plt.get_cmap("tab20")
-    for c, name in enumerate(names):
-        pts = [p for p in sweeps["scaling"] if p["variant"] == name and "best_ms" in p]
-        if pts:
-            ax.plot([p["n"] for p in pts], [p["best_ms"] for p in pts],
-                    "--" if get_variant(name).exact else "-", marker="osD^v<>"[c // 20 % 7],
-                    ms=3, color=cmap(c % 20), label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length n (= s)")
-    ax.set_ylabel(f"best of {max(1, w.repeats)} calls [ms]")
-    ax.set_title(f"time vs n, every variant ({w.backend}, {w.dtype}, batch {w.batch} x "
-                 f"{w.heads} heads, d={w.d}; dashed: exact)", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6, ncol=max(1, len(names) // 12 + 1), frameon=False,
-              loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"arrayattn report: error of the approximations of softmax attention vs "
-                 f"their parameter (gaussian and sharp: n={w.n}, d={w.d}; real: 36 heads "
-                 f"of all-MiniLM-L6-v2, n=256, d=32)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def machine_info(backend: str) -> dict:

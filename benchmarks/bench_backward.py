@@ -10,7 +10,9 @@ NumPy, extra peak memory <= 400 MB and time <= 2x torch's CPU autograd of
 forward + backward.  Other variants given by ``--variants`` are timed through their
 registry record's vjp (their memory shows whether the backward stays O(n d + d^2)).
 Each configuration runs in its own subprocess (clean peak-memory figures).  Writes
-``benchmarks/results/backward.{json,md}``.
+``benchmarks/results/backward.{json,md}`` (``--name`` for another stem, e.g. the causal
+linear and gated families: ``--variants linear_elu,gla,... --causal true --no-torch --name
+backward_linear``).
 """
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ def main(argv=None):
     ap.add_argument("--variants", default="softmax")
     ap.add_argument("--causal", default="false,true")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--name", default="backward",
+                    help="results file stem: benchmarks/results/NAME.{json,md}")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="leave out torch's SDPA autograd row (for variants it does not run)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -70,7 +76,8 @@ def main(argv=None):
     impls = [x for x in args.variants.split(",") if x]
     try:
         import torch  # noqa: F401
-        impls.append("torch_sdpa_autograd")
+        if not args.no_torch:
+            impls.append("torch_sdpa_autograd")
     except ImportError:
         pass
     rows = []
@@ -101,7 +108,7 @@ def main(argv=None):
             ("peak_extra_mb", "extra peak RSS (MB)"), ("note", "note")]
     meta = {"machine": machine(), "heads": args.heads, "d": args.d, "dtype": "float32",
             "what": "vjp = forward recomputed + backward; torch = SDPA forward + autograd"}
-    print(write_results("backward", rows, cols, meta))
+    print(write_results(args.name, rows, cols, meta))
 
 
 if __name__ == "__main__":

@@ -43,9 +43,10 @@ def toy_variants(monkeypatch):
 
 
 def table_rows(text):
-    """The variants' rows of the printed table (the baseline rows aside)."""
-    return [ln.split() for ln in text.strip().splitlines()[2:]
-            if not ln.startswith("baseline")]
+    """The variants' rows of the printed table (the baseline rows and the conclusions
+    after the blank line aside)."""
+    table = text.strip().split("\n\n")[0]
+    return [ln.split() for ln in table.splitlines()[2:] if not ln.startswith("baseline")]
 
 
 def variant_rows(rows):
@@ -141,7 +142,9 @@ class TestReportCommand:
         cap = capsys.readouterr()
         assert code == 0, cap.err
         names = [r.name for r in arrayattn.variants()]
-        assert [r[0] for r in table_rows(cap.out)] == names * len(CASES)
+        rows = table_rows(cap.out)
+        assert sorted(r[0] for r in rows) == sorted(names * len(CASES))   # ranked per kind
+        assert [r[1] for r in rows] == [c for c in CASES for _ in names]   # case by case
         assert len(json.loads(js.read_text())["rows"]) == (len(names) + 1) * len(CASES)
 
     def test_table_json_plot(self, tmp_path, capsys, toy_variants):
@@ -152,7 +155,7 @@ class TestReportCommand:
         assert code == 0
         names = [r.name for r in arrayattn.variants()]
         rows = table_rows(cap.out)
-        assert [r[0] for r in rows] == names * len(CASES)
+        assert sorted(r[0] for r in rows) == sorted(names * len(CASES))   # ranked per kind
         assert cap.out.splitlines()[0].split()[:4] == ["variant", "case", "parameter", "rel."]
         # the progress bar goes to stderr and ends complete
         assert re.search(r"\[#+\] (\d+)/\1 ", cap.err)
@@ -264,14 +267,44 @@ def test_real_case_in_the_report():
 
 def test_plot_panels_per_family_and_parameter():
     """One error panel per (family, parameter) of the approximations of softmax: window
-    and stride never share an axis, exact variants and own architectures have none."""
-    from arrayattn.report import _error_panels
+    and stride never share an axis, exact variants and own architectures have none; at
+    most MAX_LINES curves a panel; time panels one family each."""
+    from arrayattn.report_plot import MAX_LINES, error_panels, time_panels
     names = [r.name for r in arrayattn.variants()]
-    panels = _error_panels(names)
-    assert ("sparse", "window") in panels and ("sparse", "stride") in panels
-    assert len(panels) == len(set(panels))
-    params = [p for _, p in panels]
-    assert "block_size" not in params            # exact blockwise is not an approximation
-    assert all(kind_of(arrayattn.get_variant(n)) == "approximates softmax"
-               for n in names if (arrayattn.get_variant(n).family,
-                                  arrayattn.get_variant(n).parameter) in panels)
+    panels = error_panels(names)
+    titles = [t for t, _, _ in panels]
+    assert "sparse: window" in titles and "sparse: stride" in titles
+    assert len(titles) == len(set(titles))
+    assert "block_size" not in [p for _, p, _ in panels]   # blockwise is not approximate
+    members = [n for _, _, group in panels for n in group]
+    assert all(kind_of(arrayattn.get_variant(n)) == "approximates softmax" for n in members)
+    assert all(len(group) <= MAX_LINES for _, _, group in panels)
+    for _, group in time_panels(names):
+        assert len(group) <= MAX_LINES
+        assert len({arrayattn.get_variant(n).family for n in group}) == 1
+
+
+def test_verdicts_rank_and_conclude():
+    """Verdicts from the case's own rows, rows ranked within each kind, a closing line per
+    case naming the most accurate approximation and the fastest that beats the baseline."""
+    from arrayattn.report import Row
+    from arrayattn.report_table import conclusions, format_table, ranked, verdict
+    rows = [Row("slow_good", "c", "kernel", rel_error=0.1, min_ms=9.0, kind="approximates softmax"),
+            Row("softmax", "c", "exact", rel_error=3e-7, min_ms=1.0, kind="exact"),
+            Row("bad", "c", "kernel", rel_error=0.9, min_ms=0.5, kind="approximates softmax"),
+            Row("fast_ok", "c", "kernel", rel_error=0.4, min_ms=2.0, kind="approximates softmax"),
+            Row("covers", "c", "sparse", rel_error=1e-6, min_ms=3.0, kind="approximates softmax"),
+            Row("gla", "c", "gated", rel_error=50.0, min_ms=1.0, kind="own architecture"),
+            Row(BASELINE, "c", "", rel_error=0.8, kind="baseline")]
+    v = {r.variant: verdict(r, rows) for r in rows}
+    assert v["softmax"] == "exact" and v["gla"] == "own architecture"
+    assert v["slow_good"] == "beats the mean of v by 8.0x"
+    assert v["bad"] == "no better than the mean of v"
+    assert v["covers"] == "exact here (its pattern covers every pair at this n)"
+    assert [r.variant for r in ranked(rows)] == [BASELINE, "softmax", "covers", "slow_good",
+                                                 "fast_ok", "bad", "gla"]
+    (line,) = conclusions(rows)
+    assert "most accurate approximation of softmax: covers" in line
+    assert "fastest that beats the mean of v: fast_ok" in line   # 'bad' is faster, not useful
+    table = format_table(rows)
+    assert "verdict" in table.splitlines()[0] and table.rstrip().endswith(line.rstrip())
