@@ -16,6 +16,7 @@ import arrayattn
 from arrayattn.linformer import linformer_attention
 from arrayattn.luna import luna_attention
 
+from vjp_checks import assert_grads_on_backend
 from conftest import get_backend, make_qkv
 
 RTOL = 1e-10
@@ -215,17 +216,8 @@ def test_vjp_on_every_backend(name, backend_name, rng):
     backend = get_backend(backend_name)
     case = "key_mask" if name == "linformer" else "wk_wv"
     q, k, v, do, opts = _case(name, case, rng, batch=(2, 2))
-    expected = arrayattn.vjp(FNS[name], q, k, v, do, **opts)
-    bopts = {key: (backend.asarray(val) if hasattr(val, "shape") else val)
-             for key, val in opts.items()}
-    grads = arrayattn.vjp(FNS[name], *(backend.asarray(x) for x in (q, k, v, do)), **bopts)
-    assert sorted(grads) == sorted(expected)
-    for key, g in grads.items():
-        assert type(g) is type(backend.asarray(q))
-        if backend.device is not None:
-            assert arrayattn._xp.xp_device(g) == backend.device
-        np.testing.assert_allclose(backend.to_numpy(g), expected[key], rtol=1e-12,
-                                   atol=1e-12 * np.max(np.abs(expected[key])))
+    assert_grads_on_backend(backend, lambda *a, **o: arrayattn.vjp(FNS[name], *a, **o),
+                            q, k, v, do, opts)
 
 
 @pytest.mark.parametrize("name", FNS)

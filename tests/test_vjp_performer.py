@@ -19,6 +19,7 @@ import arrayattn
 from arrayattn.performer import performer_attention
 from arrayattn.rfa import rfa_attention
 
+from vjp_checks import assert_grads_on_backend
 from conftest import get_backend, make_qkv
 
 torch = pytest.importorskip("torch")
@@ -223,18 +224,9 @@ def test_performer_vjp_on_every_backend(kind, backend_name, rng):
     backend = get_backend(backend_name)
     q, k, v, do, opts = _performer_case(kind, kind != "favor++", True, rng, d=8, norm=3.0,
                                         batch=(2,))
-    expected = arrayattn.vjp(performer_attention, q, k, v, do, **opts)
-    bopts = {key: (backend.asarray(val) if isinstance(val, np.ndarray) else val)
-             for key, val in opts.items()}
-    grads = arrayattn.vjp(performer_attention, *(backend.asarray(x) for x in (q, k, v, do)),
-                          **bopts)
-    assert sorted(grads) == sorted(expected)
-    for key, g in grads.items():
-        assert type(g) is type(backend.asarray(q))
-        if backend.device is not None:
-            assert arrayattn._xp.xp_device(g) == backend.device
-        np.testing.assert_allclose(backend.to_numpy(g), expected[key], rtol=1e-12,
-                                   atol=1e-12 * np.max(np.abs(expected[key])))
+    assert_grads_on_backend(
+        backend, lambda *a, **o: arrayattn.vjp(performer_attention, *a, **o), q, k, v, do,
+        opts)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -434,18 +426,8 @@ def test_rfa_vjp_on_every_backend(gated, backend_name, rng):
     q, k, v, do, opts = _rfa_case(rng, gate=_gates(rng, "ends", (2, 2)) if gated else None,
                                   batch=(2, 2))
     opts.update(causal=True, chunk_size=5)
-    expected = arrayattn.vjp(rfa_attention, q, k, v, do, **opts)
-    bopts = {key: (backend.asarray(val) if isinstance(val, np.ndarray) else val)
-             for key, val in opts.items()}
-    grads = arrayattn.vjp(rfa_attention, *(backend.asarray(x) for x in (q, k, v, do)),
-                          **bopts)
-    assert sorted(grads) == sorted(expected)
-    for key, g in grads.items():
-        assert type(g) is type(backend.asarray(q))
-        if backend.device is not None:
-            assert arrayattn._xp.xp_device(g) == backend.device
-        np.testing.assert_allclose(backend.to_numpy(g), expected[key], rtol=1e-12,
-                                   atol=1e-12 * np.max(np.abs(expected[key])))
+    assert_grads_on_backend(backend, lambda *a, **o: arrayattn.vjp(rfa_attention, *a, **o),
+                            q, k, v, do, opts)
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -18,6 +18,7 @@ import arrayattn
 from arrayattn import sparse as sparse_mod
 from arrayattn.backward import lsh_attention_vjp
 
+from vjp_checks import assert_grads_on_backend
 from conftest import get_backend, implementation, make_qkv
 
 # (arrayattn.backward.sparse, the module: the package's name "sparse" is arrayattn.sparse)
@@ -259,17 +260,8 @@ def test_every_backend(name, backend_name, rng):
     if name in PATTERNS:
         opts["bias"] = rng.standard_normal((40, 40))
     q, k, v, opts = _split(arrays, opts)
-    expected = arrayattn.vjp(name, q, k, v, do, **opts)
-    bopts = {key: (backend.asarray(val) if hasattr(val, "shape") else val)
-             for key, val in opts.items()}
-    grads = arrayattn.vjp(name, *(backend.asarray(x) for x in (q, k, v, do)), **bopts)
-    assert sorted(grads) == sorted(expected)
-    for key, g in grads.items():
-        assert type(g) is type(backend.asarray(q))
-        if backend.device is not None:
-            assert arrayattn._xp.xp_device(g) == backend.device
-        np.testing.assert_allclose(backend.to_numpy(g), expected[key], rtol=1e-12,
-                                   atol=1e-12 * np.max(np.abs(expected[key])))
+    assert_grads_on_backend(backend, lambda *a, **o: arrayattn.vjp(name, *a, **o),
+                            q, k, v, do, opts)
 
 
 @pytest.mark.parametrize("name", NAMES)
