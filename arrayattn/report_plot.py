@@ -131,6 +131,6 @@ def plot_report(rows, sweeps, path, w) -> None:
             ax.set_axis_off()
     fig.suptitle(f"arrayattn report ({w.backend}, {w.dtype}; gaussian and sharp: n={w.n}, "
                  f"d={w.d}; real: 36 heads of all-MiniLM-L6-v2, n=256, d=32)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))      # room for the title above the panels
     fig.savefig(path, dpi=100)
     plt.close(fig)
