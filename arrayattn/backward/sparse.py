@@ -29,12 +29,13 @@ import numpy as np
 from .. import reference
 from .._engine import dense_reference, entry, numpy_engine
 from .._numpy.parallel import parallel_map
-from .._sparse_tiles import blocked, group_rows, host_indices, tile_bias, tile_mask
 from .._validate import check_flag, check_qkv
 from .._xp import xp_from_host
 from ..reference.exact_vjp import sum_to_shape
 from ..sparse import (bigbird_layout, checked_sparse, fixed_layout, local_layout,
                       longformer_layout, strided_layout)
+from ..sparse.layout import group_rows
+from ..sparse.tiles import blocked, host_indices, tile_bias, tile_mask
 
 __all__ = ["sparse_attention_vjp", "local_attention_vjp", "pattern_vjp", "block_sparse_vjp",
            "key_plan", "PATTERN_VJPS"]
