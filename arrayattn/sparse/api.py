@@ -14,7 +14,7 @@ from .layout import BlockLayout
 from .patterns import (bigbird_layout, fixed_layout, local_layout, longformer_layout,
                        strided_layout)
 
-__all__ = ["sparse_attention", "local_attention", "checked_sparse"]
+__all__ = ["sparse_attention", "local_attention", "checked_sparse", "dense_allowed"]
 
 
 def checked_sparse(q, k, v, *, layout, scale, causal, key_mask, bias):
@@ -37,6 +37,15 @@ def checked_sparse(q, k, v, *, layout, scale, causal, key_mask, bias):
                               xp.astype(v, wd, copy=False))
     return (p, (xp.astype(q, wd, copy=False), wk, wv), check_scale(scale, p.d), causal,
             check_bias(p, bias, q))
+
+
+def dense_allowed(p, layout: BlockLayout, causal: bool, key_mask):
+    """The ``(..., n, s)`` mask of the dense definition (the layout's dense mask, causal
+    and key mask) of a call checked as ``p``: what :func:`sparse_attention` and its
+    backward use where they run the dense reference form."""
+    return reference.allowed_mask(p.xp, p.n, p.s, device=p.device, causal=causal,
+                                  key_mask=key_mask,
+                                  mask=layout.dense_mask(p.xp, device=p.device))
 
 
 def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=False,
@@ -103,9 +112,7 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
     xp = p.xp
     with entry(xp):
         if dense_reference(math.prod(p.batch) * p.n * p.s):
-            allowed = reference.allowed_mask(
-                xp, p.n, p.s, device=p.device, causal=causal, key_mask=key_mask,
-                mask=layout.dense_mask(xp, device=p.device))
+            allowed = dense_allowed(p, layout, causal, key_mask)
             out = reference.sparse_attention(wq, wk, wv, allowed, scale=scale, bias=bias)
         else:
             out = block_sparse_attention(p, wq * scale, wk, wv, layout, causal=causal,

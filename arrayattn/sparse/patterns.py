@@ -20,6 +20,13 @@ def _self_attention(pattern: str, n: int, s) -> int:
     return n
 
 
+def _block_grid(n: int, b: int):
+    """Query and key block indices ``(nb, 1)``, ``(1, nb)`` of ``n`` tokens in blocks of
+    ``b`` (broadcast against each other: the block matrix's coordinates)."""
+    nb = num_blocks(n, b)
+    return np.arange(nb)[:, None], np.arange(nb)[None, :]
+
+
 def block_layout(blocks, *, n: int, s: int | None = None, block_size: int,
                  causal: bool = False) -> BlockLayout:
     """A layout from a user's block matrix (e.g. a DeepSpeed or Triton block layout).
@@ -99,8 +106,8 @@ def strided_layout(n: int, *, stride: int, block_size: int = 64, causal: bool = 
     n = _self_attention("strided", n, s)
     b = check_positive_int("block_size", block_size)
     stride = check_positive_int("stride", stride)
-    nb = num_blocks(n, b)
-    diff = np.arange(nb)[:, None] - np.arange(nb)[None, :]
+    ib, jb = _block_grid(n, b)
+    diff = ib - jb
     blocks = (np.abs(diff) < stride) | (diff % stride == 0)
     if causal:
         blocks &= diff >= 0
@@ -134,8 +141,7 @@ def fixed_layout(n: int, *, stride: int, summary: int = 1, block_size: int = 64,
     summary = check_positive_int("summary", summary)
     if summary > stride:
         raise ValueError(f"summary must be <= stride; got summary={summary}, stride={stride}")
-    nb = num_blocks(n, b)
-    ib, jb = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    ib, jb = _block_grid(n, b)
     blocks = (ib // stride == jb // stride) | (jb % stride >= stride - summary)
     if causal:
         blocks &= jb <= ib
@@ -212,7 +218,7 @@ def bigbird_layout(n: int, *, block_size: int = 64, num_window_blocks: int = 3,
     gb = _global_blocks(nb, num_global_blocks, global_blocks)
     if not causal and w % 2 == 0:
         raise ValueError(f"num_window_blocks must be odd for a centred window; got {w}")
-    ib, jb = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    ib, jb = _block_grid(n, b)
     if causal:
         window = (jb <= ib) & (jb > ib - w)
     else:
@@ -249,7 +255,7 @@ def _random_blocks(blocks: np.ndarray, r: int, seed: int, *, causal: bool) -> np
     """``r`` blocks per row drawn uniformly without replacement (host RNG ``seed``) from
     those not in ``blocks`` (past blocks only when ``causal``); all of them when fewer."""
     nb = blocks.shape[0]
-    ib, jb = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    ib, jb = _block_grid(nb, 1)
     cand = ~blocks
     if causal:
         cand &= jb <= ib
