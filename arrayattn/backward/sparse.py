@@ -205,7 +205,7 @@ def local_attention_vjp(q, k, v, do, /, *, window, causal=False, block_size=64, 
 
 def pattern_vjp(builder, **fixed):
     """The backward of a registry record whose uniform call builds its layout from the
-    inputs' ``n`` with ``builder`` (:func:`arrayattn.sparse` ``_pattern_call``)."""
+    inputs' ``n`` with ``builder`` (``_pattern_call`` of :mod:`arrayattn.sparse.api`)."""
     def adapter(q, k, v, do, /, *, scale=None, causal=False, key_mask=None, bias=None,
                 **options):
         check_qkv(q, k, v)
@@ -218,7 +218,7 @@ def pattern_vjp(builder, **fixed):
 
 
 #: Registry name -> backward adapter of the pattern records (built as the registry's
-#: uniform calls build them in :mod:`arrayattn.sparse`).
+#: uniform calls build them in :mod:`arrayattn.sparse.api`).
 PATTERN_VJPS = {
     "longformer": pattern_vjp(longformer_layout),
     "bigbird": pattern_vjp(bigbird_layout),
