@@ -21,7 +21,7 @@ __all__ = ["block_sparse_attention", "Gathered", "gathered", "cut_chunks", "span
 _CHUNK_ELEMENTS = 1 << 23
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Gathered:
     """One call's inputs cut into its layout's blocks (zero rows pad the last block):
     what every chunk of the plan reads.  ``q (..., nqb, b, d)``, ``k``, ``v``
