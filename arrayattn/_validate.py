@@ -16,7 +16,8 @@ from ._xp import compute_dtype, xp_device, xp_namespace
 
 __all__ = ["Problem", "check_array", "check_qkv", "check_key_mask", "check_mask",
            "check_positive_int", "check_scale", "check_choice", "check_no_causal",
-           "check_same_array_kind", "check_flag", "check_seed", "broadcast_batch", "check_bias"]
+           "check_same_array_kind", "check_flag", "check_seed", "broadcast_batch", "check_bias",
+           "check_band"]
 
 
 @dataclass(frozen=True)
@@ -272,3 +273,18 @@ def check_bias(p: Problem, bias, q, *, name: str = "bias"):
             f"{name} of shape {_shape(bias)} has more batch dimensions than the "
             f"inputs' batch {p.batch}")
     return p.xp.astype(bias, p.work_dtype, copy=False)
+
+
+def check_band(name: str, window) -> tuple[int, int]:
+    """A token band: an int ``w`` (``(w, w)``) or a pair ``(left, right)`` of ints >= 0
+    (the sparse patterns' and Poolingformer's windows)."""
+    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
+        window = (int(window), int(window))
+    if (not isinstance(window, tuple) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                       for w in window)):
+        raise TypeError(f"{name} must be an int or a pair (left, right) of ints; got "
+                        f"{window!r}")
+    if min(window) < 0:
+        raise ValueError(f"{name} sizes must be >= 0; got {window!r}")
+    return tuple(int(w) for w in window)

@@ -1,27 +1,28 @@
 """Poolingformer: sliding-window attention plus attention to pooled keys of a larger window.
 
 Zhang et al. 2021, "Poolingformer: Long Document Modeling with Pooling Attention"
-(ICML 2021, arXiv:2105.04371). Both levels run on the block-sparse machinery of
+(ICML 2021, arXiv:2105.04371). Both levels run on the block-sparse executor of
 :mod:`arrayattn.sparse`: the first is a :func:`~arrayattn.local_layout` band, the second a
 band over pooled keys, each of which stands for the interval of positions it pools.
 """
 from __future__ import annotations
 
 import math
-import numbers
 from types import SimpleNamespace
 
 import numpy as np
 
 from . import reference
 from ._engine import dense_reference, entry
-from ._validate import (check_array, check_choice, check_flag, check_key_mask,
+from ._validate import (check_array, check_band, check_choice, check_flag, check_key_mask,
                         check_positive_int, check_qkv, check_same_array_kind, check_scale)
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 from ._xp import xp_from_host
-from .sparse import (BlockLayout, block_sparse_attention,
-                     host_indices, local_layout, num_blocks)
+from .sparse.executor import block_sparse_attention
+from .sparse.layout import BlockLayout, num_blocks
+from .sparse.patterns import local_layout
+from .sparse.tiles import host_indices
 
 __all__ = ["pooling_attention", "pooled_spans", "pool_keys", "checked_pooling", "dense_masks"]
 
@@ -49,20 +50,6 @@ def pooled_spans(s: int, pool_size: int, pool_stride: int | None = None):
     start = np.arange(m, dtype=np.int64) * zeta
     end = np.minimum(start + kappa, s) - 1
     return start, end
-
-
-def _check_window(name: str, window) -> tuple[int, int]:
-    """``window``: an int or a pair ``(left, right)`` of ints >= 0, named ``name``."""
-    if isinstance(window, numbers.Integral) and not isinstance(window, bool):
-        window = (int(window), int(window))
-    if (not isinstance(window, tuple) or len(window) != 2
-            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
-                       for w in window)):
-        raise TypeError(f"{name} must be an int or a pair (left, right) of ints; got "
-                        f"{window!r}")
-    if min(window) < 0:
-        raise ValueError(f"{name} sizes must be >= 0; got {window!r}")
-    return tuple(int(w) for w in window)
 
 
 def pool_keys(xp, x, start, end, kind: str, key_mask, *, device):
@@ -195,8 +182,8 @@ def checked_pooling(q, k, v, *, window, pool_window, pool_size, pool_stride, poo
     causal = check_flag("causal", causal)
     check_key_mask(p, key_mask, q)
     pool = check_choice("pool", pool, {"mean", "max"})
-    w1 = _check_window("window", window)
-    w2 = _check_window("pool_window", pool_window)
+    w1 = check_band("window", window)
+    w2 = check_band("pool_window", pool_window)
     kappa = check_positive_int("pool_size", pool_size)
     zeta = kappa if pool_stride is None else check_positive_int("pool_stride", pool_stride)
     b = check_positive_int("block_size", block_size)

@@ -138,7 +138,7 @@ def test_gathered_backward_equals_dense(name, case, rng, monkeypatch):
         threads = arrayattn.vjp(name, q, k, v, do, **opts)
     monkeypatch.setattr(sparse_vjp_mod, "CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(sparse_vjp_mod, "GROUP_OVERHEAD", 0)
-    monkeypatch.setattr(sparse_mod, "_GROUP_OVERHEAD", 0)
+    monkeypatch.setattr(sparse_mod.layout, "_GROUP_OVERHEAD", 0)
     tiny = arrayattn.vjp(name, q, k, v, do, **opts)
     for got in (gathered, threads, tiny):
         assert sorted(got) == sorted(dense)

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import reference
 from .._engine import dense_reference, entry
-from .._sparse_tiles import host_indices
+from ..sparse.tiles import host_indices
 from ..pooling import checked_pooling, dense_masks, pool_keys
 from ..reference.exact_vjp import sum_to_shape
 from .sparse import block_sparse_vjp

@@ -23,18 +23,21 @@ cotangent, ``(..., n, s)`` like the bias, excepted).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
 from .. import reference
-from .._engine import dense_reference, entry, numpy_engine
-from .._numpy.parallel import parallel_map
-from .._sparse_tiles import blocked, group_rows, host_indices, tile_bias, tile_mask
+from .._engine import dense_reference, entry
 from .._validate import check_flag, check_qkv
 from .._xp import xp_from_host
 from ..reference.exact_vjp import sum_to_shape
 from ..sparse import (bigbird_layout, checked_sparse, fixed_layout, local_layout,
                       longformer_layout, strided_layout)
+from ..sparse.api import dense_allowed
+from ..sparse.executor import cut_chunks, gathered, in_block_order, spans, unblock
+from ..sparse.layout import group_rows
+from ..sparse.tiles import blocked, host_indices, tile_bias, tile_mask
 
 __all__ = ["sparse_attention_vjp", "local_attention_vjp", "pattern_vjp", "block_sparse_vjp",
            "key_plan", "PATTERN_VJPS"]
@@ -52,30 +55,6 @@ def key_plan(layout) -> tuple:
     plan is)."""
     return group_rows(np.ascontiguousarray(layout.support.T), layout.block_size,
                       GROUP_OVERHEAD)
-
-
-def _chunks(plan, per_slot: int, per_row: int):
-    """The plan's groups cut into chunks ``(rows, idx, valid, span)`` within the budget;
-    a row whose slots alone exceed it is walked in spans of ``span`` slots."""
-    chunks = []
-    for rows, idx, valid in plan:
-        r = idx.shape[1]
-        step = max(1, CHUNK_ELEMENTS // (r * per_slot + per_row))
-        span = min(r, max(1, CHUNK_ELEMENTS // per_slot))
-        chunks += [(rows[c0:c0 + step], idx[c0:c0 + step], valid[c0:c0 + step], span)
-                   for c0 in range(0, rows.size, step)]
-    return chunks
-
-
-def _in_block_order(xp, parts, chunks, axis: int, dev):
-    """Per-chunk results, concatenated along the block ``axis``, put back in block order."""
-    out = parts[0] if len(parts) == 1 else xp.concat(parts, axis=axis)
-    perm = np.concatenate([c[0] for c in chunks])
-    if np.array_equal(perm, np.arange(perm.size)):
-        return out
-    inv = np.empty_like(perm)
-    inv[perm] = np.arange(perm.size)
-    return xp.take(out, host_indices(xp, inv, dev), axis=out.ndim + axis)
 
 
 def _bias_rows(xp, ds, idx, valid, nkb: int, b: int, s: int, dev):
@@ -96,106 +75,89 @@ def _bias_rows(xp, ds, idx, valid, nkb: int, b: int, s: int, dev):
     return xp.take_along_axis(padded, xp.broadcast_to(src_x, (*ds.shape[:-1], s)), axis=-1)
 
 
+def _query_chunk(g, dob, chunk):
+    """Pass 1 on one chunk of query blocks: the forward's ``(O, L)`` recomputed over its
+    spans, ``D = rowsum(dO O)``, ``dQ`` and the bias's cotangent on the chunk's rows."""
+    xp, lay = g.xp, g.layout
+    rows, idx_rows, valid_rows, span = chunk
+    qc, doc = g.take(g.q, rows), g.take(dob, rows)
+    tiles = [g.span(rows, idx, valid) for idx, valid in spans(idx_rows, valid_rows, span)]
+    out, lse = g.attend(qc, tiles)                  # the forward's (O, L)
+    delta = xp.sum(doc * out, axis=-1)              # D = rowsum(dO O)
+    dq, ds = 0.0, []
+    for idx_x, allowed, tb in tiles:
+        dq_s, ds_s = reference.gathered_attention_dq(qc, g.k, g.v, doc, lse, delta, idx_x,
+                                                     allowed, tb)
+        dq, ds = dq + dq_s, ds + [ds_s]
+    db = None if g.bias is None else _bias_rows(
+        xp, ds[0] if len(ds) == 1 else xp.concat(ds, axis=-1), idx_rows, valid_rows,
+        lay.blocks.shape[1], lay.block_size, lay.s, g.device)
+    return dq, lse, delta, db
+
+
+def _key_tiles(g, cols, idx, valid):
+    """The mask and bias of key blocks ``cols (G,)`` against the query blocks
+    ``idx (G, R)`` that reach them, in (query, key) orientation as the forward sees each
+    pair: ``(..., G, R b, b)``; padded query rows are out."""
+    xp, dev, lay = g.xp, g.device, g.layout
+    b, ar = lay.block_size, np.arange(lay.block_size)
+    n_g, r = idx.shape
+    qrows, kcols = idx.reshape(-1), np.repeat(cols, r)[:, None]
+    allowed = tile_mask(xp, lay, qrows, kcols, valid.reshape(-1, 1), causal=g.causal,
+                        device=dev)
+    allowed = xp.reshape(xp.broadcast_to(allowed, (n_g * r, b, b)), (n_g, r * b, b))
+    real = (idx[:, :, None] * b + ar < lay.n).reshape(n_g, r * b, 1)
+    allowed = allowed & xp_from_host(xp, real, dtype=xp.bool, device=dev)
+    tb = None
+    if g.bias is not None:
+        tb = tile_bias(xp, g.bias, qrows, kcols * b + ar, lay, dev)
+        tb = xp.reshape(tb, (*tb.shape[:-3], n_g, r * b, b))
+    return allowed, tb
+
+
+def _key_chunk(g, dob, lse_b, delta_b, chunk):
+    """Pass 2 on one chunk of key blocks: ``dK``, ``dV`` summed over the query blocks
+    that reach them (in spans)."""
+    xp = g.xp
+    cols, idx_cols, valid_cols, span = chunk
+    kc, vc = g.take(g.k, cols), g.take(g.v, cols)
+    kmc = None if g.key_mask is None else xp.matrix_transpose(g.take(g.key_mask, cols))
+    dk = dv = 0.0
+    for idx, valid in spans(idx_cols, valid_cols, span):
+        allowed, tb = _key_tiles(g, cols, idx, valid)
+        if kmc is not None:
+            allowed = allowed & kmc
+        dk_s, dv_s = reference.gathered_attention_dkv(kc, vc, g.q, dob, lse_b, delta_b,
+                                                      host_indices(xp, idx, g.device),
+                                                      allowed, tb)
+        dk, dv = dk + dk_s, dv + dv_s
+    return dk, dv
+
+
 def block_sparse_vjp(p, q, k, v, do, layout, *, causal: bool, key_mask, bias=None) -> dict:
     """``{"q", "k", "v"[, "bias"]}`` of :func:`arrayattn.sparse.block_sparse_attention`
     (``q`` pre-scaled: ``"q"`` is the cotangent of the scaled queries), by the two passes
     of this module's docstring.  All in the working dtype; shapes at the broadcast batch."""
-    xp, dev = p.xp, p.device
-    b, n, s = layout.block_size, p.n, p.s
-    nqb, nkb = layout.blocks.shape
-    causal = causal or layout.causal
-    qb, dob = blocked(xp, q, nqb, b, device=dev), blocked(xp, do, nqb, b, device=dev)
-    kb, vb = blocked(xp, k, nkb, b, device=dev), blocked(xp, v, nkb, b, device=dev)
-    km = None if key_mask is None else blocked(xp, key_mask[..., None], nkb, b, device=dev)
+    xp, dev, b = p.xp, p.device, layout.block_size
+    g = gathered(p, q, k, v, layout, causal=causal, key_mask=key_mask, bias=bias)
+    dob = blocked(xp, do, layout.blocks.shape[0], b, device=dev)
     batch = math.prod(p.batch)
     per_slot = batch * (2 * b * b + b * (p.d + p.dv))    # one block pair's tiles and rows
-    ar = np.arange(b)
+    per_row = batch * b * (p.d + p.dv)
 
-    def query_span(rows, idx, valid):
-        """One span of a query-major chunk: its key blocks, mask and bias tiles."""
-        idx_x = host_indices(xp, idx, dev)
-        allowed = tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
-        if km is not None:
-            allowed = allowed & xp.matrix_transpose(reference.take_blocks(km, idx_x))
-        kpos = (idx[:, :, None] * b + ar).reshape(idx.shape[0], -1)
-        return idx_x, allowed, (None if bias is None else
-                                tile_bias(xp, bias, rows, kpos, layout, dev))
+    def in_order(parts, chunks, i, axis):
+        return in_block_order(xp, [x[i] for x in parts], chunks, axis, dev)
 
-    def query_chunk(chunk):
-        rows, idx_rows, valid_rows, span = chunk
-        rows_x = host_indices(xp, rows, dev)
-        qc, doc = xp.take(qb, rows_x, axis=qb.ndim - 3), xp.take(dob, rows_x, axis=dob.ndim - 3)
-        spans = [query_span(rows, idx_rows[:, r0:r0 + span], valid_rows[:, r0:r0 + span])
-                 for r0 in range(0, idx_rows.shape[1], span)]
-        out = lse = None
-        for idx_x, allowed, tb in spans:                # the forward's (O, L)
-            o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tb)
-            out, lse = (o, l) if out is None else reference.merge_attention(out, lse, o, l)
-        delta = xp.sum(doc * out, axis=-1)              # D = rowsum(dO O)
-        dq, ds = 0.0, []
-        for idx_x, allowed, tb in spans:
-            dq_s, ds_s = reference.gathered_attention_dq(qc, kb, vb, doc, lse, delta, idx_x,
-                                                         allowed, tb)
-            dq, ds = dq + dq_s, ds + [ds_s]
-        db = None if bias is None else _bias_rows(
-            xp, ds[0] if len(ds) == 1 else xp.concat(ds, axis=-1), idx_rows, valid_rows,
-            nkb, b, s, dev)
-        return dq, lse, delta, db
-
-    def key_chunk(chunk):
-        cols, idx_cols, valid_cols, span = chunk
-        cols_x = host_indices(xp, cols, dev)
-        kc, vc = xp.take(kb, cols_x, axis=kb.ndim - 3), xp.take(vb, cols_x, axis=vb.ndim - 3)
-        kmc = None if km is None else xp.matrix_transpose(xp.take(km, cols_x,
-                                                                  axis=km.ndim - 3))
-        dk = dv = 0.0
-        for r0 in range(0, idx_cols.shape[1], span):
-            idx, valid = idx_cols[:, r0:r0 + span], valid_cols[:, r0:r0 + span]
-            g, r = idx.shape
-            # The tiles in (query, key) orientation: query block idx[g, t] against key
-            # block cols[g], as the forward sees the pair; padded query rows are out.
-            qrows, kcols = idx.reshape(-1), np.repeat(cols, r)[:, None]
-            allowed = tile_mask(xp, layout, qrows, kcols, valid.reshape(-1, 1),
-                                causal=causal, device=dev)
-            allowed = xp.reshape(xp.broadcast_to(allowed, (g * r, b, b)), (g, r * b, b))
-            real = (idx[:, :, None] * b + ar < n).reshape(g, r * b, 1)
-            allowed = allowed & xp_from_host(xp, real, dtype=xp.bool, device=dev)
-            if kmc is not None:
-                allowed = allowed & kmc
-            tb = None
-            if bias is not None:
-                tb = tile_bias(xp, bias, qrows, kcols * b + ar, layout, dev)
-                tb = xp.reshape(tb, (*tb.shape[:-3], g, r * b, b))
-            dk_s, dv_s = reference.gathered_attention_dkv(kc, vc, qb, dob, lse_b, delta_b,
-                                                          host_indices(xp, idx, dev),
-                                                          allowed, tb)
-            dk, dv = dk + dk_s, dv + dv_s
-        return dk, dv
-
-    work = layout.count_computed() * batch * (xp.finfo(q.dtype).bits // 8)
-    threads = numpy_engine(xp, work)
-
-    def run(fn, chunks):
-        return parallel_map(fn, chunks) if threads and len(chunks) > 1 else list(map(fn, chunks))
-
-    qchunks = _chunks(layout.plan, per_slot, batch * b * (p.d + p.dv))
-    qparts = run(query_chunk, qchunks)
-    dq = _in_block_order(xp, [x[0] for x in qparts], qchunks, -3, dev)
-    lse_b = _in_block_order(xp, [x[1] for x in qparts], qchunks, -2, dev)
-    delta_b = _in_block_order(xp, [x[2] for x in qparts], qchunks, -2, dev)
-    kchunks = _chunks(key_plan(layout), per_slot, batch * b * (p.d + p.dv))
-    kparts = run(key_chunk, kchunks)
-    dk = _in_block_order(xp, [x[0] for x in kparts], kchunks, -3, dev)
-    dv = _in_block_order(xp, [x[1] for x in kparts], kchunks, -3, dev)
-
-    def unblock(x, count):
-        x = xp.reshape(x, (*x.shape[:-3], x.shape[-3] * b, x.shape[-1]))
-        return x[..., :count, :]
-
-    grads = {"q": unblock(dq, n), "k": unblock(dk, s), "v": unblock(dv, s)}
+    qchunks = cut_chunks(layout.plan, per_slot, per_row, CHUNK_ELEMENTS)
+    qparts = g.run(partial(_query_chunk, g, dob), qchunks)
+    lse_b, delta_b = in_order(qparts, qchunks, 1, -2), in_order(qparts, qchunks, 2, -2)
+    kchunks = cut_chunks(key_plan(layout), per_slot, per_row, CHUNK_ELEMENTS)
+    kparts = g.run(partial(_key_chunk, g, dob, lse_b, delta_b), kchunks)
+    grads = {"q": unblock(xp, in_order(qparts, qchunks, 0, -3), p.n),
+             "k": unblock(xp, in_order(kparts, kchunks, 0, -3), p.s),
+             "v": unblock(xp, in_order(kparts, kchunks, 1, -3), p.s)}
     if bias is not None:
-        grads["bias"] = unblock(_in_block_order(xp, [x[3] for x in qparts], qchunks, -3, dev),
-                                n)
+        grads["bias"] = unblock(xp, in_order(qparts, qchunks, 3, -3), p.n)
     return grads
 
 
@@ -217,11 +179,9 @@ def sparse_attention_vjp(q, k, v, do, /, *, layout, scale=None, causal=False, ke
     wdo = xp.astype(do, p.work_dtype, copy=False)
     with entry(xp):
         if dense_reference(math.prod(p.batch) * p.n * p.s):
-            allowed = reference.allowed_mask(
-                xp, p.n, p.s, device=p.device, causal=causal, key_mask=key_mask,
-                mask=layout.dense_mask(xp, device=p.device))
-            grads = reference.sparse_attention_vjp(wq, wk, wv, wdo, allowed, scale=scale,
-                                                   bias=wbias)
+            grads = reference.sparse_attention_vjp(
+                wq, wk, wv, wdo, dense_allowed(p, layout, causal, key_mask), scale=scale,
+                bias=wbias)
         else:
             grads = block_sparse_vjp(p, wq * scale, wk, wv, wdo, layout, causal=causal,
                                      key_mask=key_mask, bias=wbias)
@@ -245,7 +205,7 @@ def local_attention_vjp(q, k, v, do, /, *, window, causal=False, block_size=64, 
 
 def pattern_vjp(builder, **fixed):
     """The backward of a registry record whose uniform call builds its layout from the
-    inputs' ``n`` with ``builder`` (:func:`arrayattn.sparse` ``_pattern_call``)."""
+    inputs' ``n`` with ``builder`` (``_pattern_call`` of :mod:`arrayattn.sparse.api`)."""
     def adapter(q, k, v, do, /, *, scale=None, causal=False, key_mask=None, bias=None,
                 **options):
         check_qkv(q, k, v)
@@ -258,7 +218,7 @@ def pattern_vjp(builder, **fixed):
 
 
 #: Registry name -> backward adapter of the pattern records (built as the registry's
-#: uniform calls build them in :mod:`arrayattn.sparse`).
+#: uniform calls build them in :mod:`arrayattn.sparse.api`).
 PATTERN_VJPS = {
     "longformer": pattern_vjp(longformer_layout),
     "bigbird": pattern_vjp(bigbird_layout),

@@ -1,59 +1,12 @@
-"""Host-side pieces of the block-sparse computation (NumPy on the host, array API on
-the device), shared by :mod:`arrayattn.sparse` (the forward), :mod:`arrayattn.pooling`
-and :mod:`arrayattn.backward.sparse` (the backward).
-
-* :func:`group_rows` -- the gather plan: rows of a block support matrix grouped by how
-  many blocks they reach (a query block's key blocks in the forward; a key block's
-  query blocks in the backward's key-major pass);
-* :func:`tile_mask`, :func:`tile_bias` -- a layout's mask and a bias on gathered tiles;
-* :func:`blocked`, :func:`host_indices`, :func:`num_blocks` -- blocking and indices.
-"""
+"""A layout's tiles on the device: blocked inputs, host indices, and the pattern's mask
+and a bias on gathered tiles."""
 from __future__ import annotations
 
 import numpy as np
 
-from ._xp import xp_from_host
+from .._xp import xp_from_host
 
-__all__ = ["num_blocks", "host_indices", "group_rows", "tile_mask", "tile_bias", "blocked"]
-
-
-def num_blocks(n: int, b: int) -> int:
-    return -(-n // b)
-
-
-def group_rows(support: np.ndarray, block_size: int, overhead: int) -> tuple:
-    """Groups ``(rows, idx, valid)`` of the rows of a boolean block matrix ``support``:
-    ``rows (G,)`` row blocks, ``idx (G, R)`` the column blocks each gathers (sorted,
-    padded with masked slots), ``valid (G, R)`` which slots are real.
-
-    Rows are sorted by how many blocks they reach and cut into contiguous groups
-    minimising padded work plus ``overhead`` per group (a small dynamic programme over
-    the distinct counts), so a few global rows that reach every block do not pad the
-    many local rows, and a handful of edge rows do not cost a group of their own."""
-    sup, b = support, block_size
-    counts = np.maximum(sup.sum(axis=1), 1)
-    order = np.argsort(-counts, kind="stable")
-    vals, first = np.unique(-counts[order], return_index=True)
-    vals, bounds = -vals, np.r_[first, order.size]
-    m = vals.size
-    best, cut = np.zeros(m + 1), np.zeros(m + 1, dtype=np.int64)
-    for t in range(1, m + 1):
-        costs = [best[u] + vals[u] * (bounds[t] - bounds[u]) * b * b + overhead
-                 for u in range(t)]
-        cut[t] = int(np.argmin(costs))
-        best[t] = costs[cut[t]]
-    segments, t = [], m
-    while t > 0:
-        segments.append((cut[t], t))
-        t = cut[t]
-    groups = []
-    for u, t in reversed(segments):
-        rows = np.sort(order[bounds[u]:bounds[t]])
-        r = int(vals[u])
-        idx = np.argsort(~sup[rows], axis=1, kind="stable")[:, :r]
-        valid = np.take_along_axis(sup[rows], idx, axis=1)
-        groups.append((rows, idx, valid))
-    return tuple(groups)
+__all__ = ["host_indices", "tile_mask", "tile_bias", "blocked"]
 
 
 def host_indices(xp, a, device):
@@ -84,7 +37,7 @@ def _chunk_masks(layout, rows, idx, valid, *, causal: bool):
     code = np.where(kvalid, np.where(full, 2, 1), 0)
     # A row can skip the token-level rules when every slot is already decided.
     needs_rules = layout.window is not None or gq is not None or causal
-    kstart, kend = layout._key_span(np.minimum(kpos, layout.s - 1))
+    kstart, kend = layout.key_span(np.minimum(kpos, layout.s - 1))
     return kstart, kend, code, qpos + layout.shift, gq, needs_rules
 
 
