@@ -1,45 +1,28 @@
-r"""Gated and delta-rule linear attention: RetNet retention, GLA, Mamba-2 SSD, DeltaNet and
-gated DeltaNet.
-
-The linear attention of Katharopoulos et al. without its denominator, with a decaying
-state (the gated family) or an error-correcting update (the delta rule):
-
-.. math::
-
-    S_t = \operatorname{diag}(\alpha_t) S_{t-1} + k_t^\top v_t \quad\text{or}\quad
-    S_t = \alpha_t (I - \beta_t k_t^\top k_t) S_{t-1} + \beta_t k_t^\top v_t,
-    \qquad o_t = q_t S_t .
-
-These are causal sequence models (``n == s``; query ``t`` sees keys ``j <= t``) whose
-output is not a normalised attention: the registry files them as family ``"gated"``, their
-own architectures.  Every function takes gates in log space (``g = log alpha <= 0``; a
-gate of 0 is ``-inf``, an exact restart) and runs the reference forms of
-:mod:`arrayattn.reference.gated` -- the recurrence (``method="recurrent"``) or the chunked
-form (``"chunked"``, the default) -- on every backend.  References: Sun et al. 2023
-(RetNet), Yang et al. 2024 (GLA), Dao & Gu 2024 (Mamba-2), Schlag et al. 2021 and Yang et
-al. 2024 (DeltaNet), Yang et al. 2025 (Gated DeltaNet).
-"""
+"""The gated and delta-rule attention functions -- RetNet retention, GLA, Mamba-2 SSD,
+DeltaNet and gated DeltaNet -- with their registry records and the gates their uniform
+calls draw."""
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
+from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
 
-from . import reference
-from ._engine import entry
-from ._validate import (Problem, check_array, check_choice, check_flag, check_key_mask,
-                        check_positive_int, check_qkv, check_same_array_kind, check_seed)
-from ._xp import host_values, xp_from_host
+from ._linear_run import run_gated
+from ._validate import check_flag, check_positive_int, check_qkv, check_seed
+from ._validate_linear import check_gamma, check_gate
+from ._xp import xp_from_host
 from .registry import Variant, register
+# moved (kept importable from here): the decoding step and the family's checks
+from .decoding import gated_attention_step
+from ._validate_linear import checked_gated
 
 __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
-           "gated_delta_attention", "gated_attention_step", "retention_gammas",
-           "checked_gated"]
-
-METHODS = ("chunked", "recurrent")
-# the forward's gates, for the backward adapters (arrayattn.backward.gated)
-__all__ += ["retention_log_gates", "drawn_gla_gates", "drawn_ssd_decays"]
+           "gated_delta_attention", "retention_gammas",
+           # the forward's gates, for the backward adapters (arrayattn.backward)
+           "retention_log_gates", "drawn_gla_gates", "drawn_ssd_decays",
+           "drawn_delta_betas", "drawn_gated_delta_gates",
+           # moved; re-exported
+           "gated_attention_step", "checked_gated"]
 
 
 def retention_gammas(heads: int) -> np.ndarray:
@@ -55,128 +38,27 @@ def retention_gammas(heads: int) -> np.ndarray:
     return 1.0 - 2.0 ** (-5.0 - np.arange(check_positive_int("heads", heads)))
 
 
-def _check_gate(p: Problem, name: str, x, q, *, per_dim: bool):
-    """A real floating gate array ``(..., n)`` (``per_dim=False``) or ``(..., n, dk)``,
-    broadcastable to the batch; returned in the working dtype as ``(..., n, 1)`` or
-    ``(..., n, dk)``."""
-    check_array(name, x)
-    check_same_array_kind(p.xp, "q", q, name, x)
-    if not p.xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype; got {x.dtype}")
-    tail = (p.n, p.d) if per_dim else (p.n,)
-    want = "(..., n, dk) = (..., %d, %d)" % tail if per_dim else f"(..., n) = (..., {p.n})"
-    lead = tuple(x.shape[:x.ndim - len(tail)])
-    if x.ndim < len(tail) or tuple(x.shape[x.ndim - len(tail):]) != tail or len(
-            lead) > len(p.batch) or any(a not in (1, b) for a, b in zip(
-                reversed(lead), reversed(p.batch))):
-        raise ValueError(f"{name} must have shape {want} broadcastable to the batch "
-                         f"{p.batch}; got shape {tuple(x.shape)}")
-    x = p.xp.astype(x, p.work_dtype, copy=False)
-    return x if per_dim else x[..., None]
+def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chunked",
+              chunk_size=32, scale=None, initial_state=None, return_state=False):
+    r"""Retention (RetNet; Sun et al. 2023, "Retentive Network: A Successor to Transformer
+    for Large Language Models"): a constant decay ``gamma`` per head.
 
+    .. math::
 
-def _check_decays(host, shown):
-    """Retention's decays must lie in ``(0, 1]`` (a NaN or a growth is refused here,
-    not turned into NaN outputs)."""
-    if not np.all((host > 0) & (host <= 1)):
-        bad = host[~((host > 0) & (host <= 1))].ravel()[:4]
-        raise ValueError(f"gamma must be decays in (0, 1]; got {shown!r} (entries such as "
-                         f"{bad.tolist()})")
+        S_t = \gamma S_{t-1} + k_t^\top v_t,\quad o_t = q_t S_t
+        \quad\Longleftrightarrow\quad O = (Q K^\top \odot D) V,\ \
+        D_{tj} = \gamma^{t-j} [j \le t].
 
+    (The paper's xPos rotation and group norm are the model's, applied outside.)
 
-def _check_state(p: Problem, state, q):
-    if state is None:
-        return p.xp.zeros((*p.batch, p.d, p.dv), dtype=p.work_dtype, device=p.device)
-    check_array("initial_state", state)
-    check_same_array_kind(p.xp, "q", q, "initial_state", state)
-    if not p.xp.isdtype(state.dtype, "real floating"):
-        raise TypeError(f"initial_state must have a real floating dtype (it is not cast); "
-                        f"got {state.dtype}")
-    lead = tuple(state.shape[:-2])
-    if (state.ndim < 2 or tuple(state.shape[-2:]) != (p.d, p.dv) or len(lead) > len(p.batch)
-            or any(a not in (1, b) for a, b in zip(reversed(lead), reversed(p.batch)))):
-        raise ValueError(f"initial_state must have shape (..., dk, dv) broadcastable to the "
-                         f"batch: (*{p.batch}, {p.d}, {p.dv}); got shape "
-                         f"{tuple(state.shape)}")
-    zeros = p.xp.zeros((*p.batch, p.d, p.dv), dtype=p.work_dtype, device=p.device)
-    try:
-        return zeros + p.xp.astype(state, p.work_dtype, copy=False)
-    except Exception as exc:   # a batch that does not broadcast
-        raise ValueError(f"initial_state of shape {tuple(state.shape)} does not broadcast "
-                         f"to (*batch, dk, dv) = {(*p.batch, p.d, p.dv)}: its leading axes "
-                         f"{tuple(state.shape[:-2])} must broadcast to the batch "
-                         f"{p.batch}") from exc
-
-
-def checked_gated(q, k, v, *, causal, key_mask, method, chunk_size, scale, initial_state,
-                  return_state, gates=()):
-    """The forward's checks (its backward's too): ``(p, method, chunk_size, return_state,
-    S_0, [gate ...])``, each of ``gates = ((name, array, per_dim), ...)`` checked first."""
-    p = check_qkv(q, k, v)
-    gates = [_check_gate(p, name, x, q, per_dim=per_dim) for name, x, per_dim in gates]
-    if not check_flag("causal", causal):
-        raise ValueError("gated and delta-rule attention is causal (a recurrence over the "
-                         "tokens); causal=False is not defined")
-    if p.n != p.s:
-        raise ValueError(f"gated and delta-rule attention needs n == s (self-attention "
-                         f"over one sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    check_key_mask(p, key_mask, q)
-    method = check_choice("method", method, METHODS)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    return_state = check_flag("return_state", return_state)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(
-            scale, numbers.Real) or not np.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None; got {scale!r}")
-    return p, method, chunk_size, return_state, _check_state(p, initial_state, q), gates
-
-
-def _run(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
-         initial_state, return_state, normalize_qk=False, per_dim=False):
-    """Validate, mask, dispatch once to the recurrence or the chunked form, cast back."""
-    p, method, chunk_size, return_state, s0, _ = checked_gated(
-        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
-        scale=scale, initial_state=initial_state, return_state=return_state)
-    xp, wd = p.xp, p.work_dtype
-    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    if normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
-        wq, wk = (reference.unit_rows(x)[0] for x in (wq, wk))
-    if scale is not None:
-        wq = wq * float(scale)
-    # A gate outside (0, 1] (g > 0, or NaN) makes the outputs from there on NaN:
-    # checking it would read the device.
-    g = xp.where(g <= 0.0, g, xp.nan)
-    if key_mask is not None:   # a padded token leaves the state as it is
-        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
-        g = xp.where(key_mask[..., None], g, 0.0)
-        beta = None if beta is None else xp.where(key_mask, beta, 0.0)
-    # a non-finite key, value or beta, or a NaN gate, reaches only the rows from its
-    # token on (-inf gates are restarts, not faults)
-    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1)
-    if beta is not None:
-        bad = bad | ~xp.isfinite(beta)
-        beta = xp.where(bad, 0.0, beta)
-    wk, wv = reference.drop_nonfinite(bad, wk, wv)
-    g = xp.where(bad[..., None], 0.0, g)
-    if p.n == 0:
-        out, s = p.zeros(), s0
-    else:
-        with entry(xp):
-            if beta is None and method == "recurrent":
-                out, s = reference.gla_recurrent(wq, wk, wv, g, s0)
-            elif beta is None:
-                out, s = reference.gla_chunked(wq, wk, wv, g, s0, chunk_size)
-            elif method == "recurrent":
-                out, s = reference.delta_recurrent(wq, wk, wv, beta, g, s0)
-            else:
-                out, s = reference.delta_chunked(wq, wk, wv, beta, g, s0, chunk_size)
-        out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
-        out = xp.astype(xp.broadcast_to(out, p.out_shape), p.dtype, copy=False)
-        s = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, s)
-    s = xp.broadcast_to(s, (*p.batch, p.d, p.dv))
-    return (out, xp.astype(s, p.dtype, copy=False)) if return_state else out
-
-
-_COMMON = """causal : bool
+    Parameters
+    ----------
+    q, k, v : arrays, shapes ``(..., n, dk)``, ``(..., n, dk)``, ``(..., n, dv)``
+    gamma : float, sequence or array ``(..., H)``, optional
+        Decays in ``(0, 1]``, one per head (the last axis of an array runs over the heads,
+        axis ``-3`` of ``q``); ``None`` means RetNet's ``1 - 2^(-5 - h)``
+        (:func:`retention_gammas`) over ``q.shape[-3]`` heads (one head for 2-D inputs).
+    causal : bool
         Must be ``True`` (the default): these are recurrences over the tokens.
     key_mask : boolean array ``(..., n)``, optional
         ``False`` marks padding: a padded token leaves the state unchanged (its key and
@@ -204,36 +86,7 @@ _COMMON = """causal : bool
     out : array ``(..., n, dv)``
         Same namespace, device and dtype as ``q`` (float16/bfloat16 computed in float32).
     state : array ``(..., dk, dv)``
-        With ``return_state=True``."""
-
-
-def _doc(fn):
-    fn.__doc__ = fn.__doc__.replace("    COMMON", "    " + _COMMON)
-    return fn
-
-
-@_doc
-def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chunked",
-              chunk_size=32, scale=None, initial_state=None, return_state=False):
-    r"""Retention (RetNet; Sun et al. 2023, "Retentive Network: A Successor to Transformer
-    for Large Language Models"): a constant decay ``gamma`` per head.
-
-    .. math::
-
-        S_t = \gamma S_{t-1} + k_t^\top v_t,\quad o_t = q_t S_t
-        \quad\Longleftrightarrow\quad O = (Q K^\top \odot D) V,\ \
-        D_{tj} = \gamma^{t-j} [j \le t].
-
-    (The paper's xPos rotation and group norm are the model's, applied outside.)
-
-    Parameters
-    ----------
-    q, k, v : arrays, shapes ``(..., n, dk)``, ``(..., n, dk)``, ``(..., n, dv)``
-    gamma : float, sequence or array ``(..., H)``, optional
-        Decays in ``(0, 1]``, one per head (the last axis of an array runs over the heads,
-        axis ``-3`` of ``q``); ``None`` means RetNet's ``1 - 2^(-5 - h)``
-        (:func:`retention_gammas`) over ``q.shape[-3]`` heads (one head for 2-D inputs).
-    COMMON
+        With ``return_state=True``.
 
     Examples
     --------
@@ -246,9 +99,9 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
     >>> bool(np.allclose(retention(q, k, v, gamma=0.9), ((q @ k.swapaxes(-1, -2)) * d) @ v))
     True
     """
-    return _run(q, k, v, retention_log_gates(q, k, v, gamma), None, causal=causal,
-                key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
-                initial_state=initial_state, return_state=return_state)
+    return run_gated(q, k, v, retention_log_gates(q, k, v, gamma), None, causal=causal,
+                     key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
+                     initial_state=initial_state, return_state=return_state)
 
 
 def retention_log_gates(q, k, v, gamma):
@@ -257,24 +110,8 @@ def retention_log_gates(q, k, v, gamma):
     xp = p.xp
     if gamma is None:     # (an empty batch of no heads takes one decay, for its shape)
         gamma = retention_gammas(max(q.shape[-3], 1) if q.ndim >= 3 else 1)
-    if isinstance(gamma, (numbers.Real, list, tuple, np.ndarray)):   # host numbers
-        host = np.asarray(gamma)
-        if isinstance(gamma, bool) or host.dtype.kind not in "iuf":
-            raise TypeError(f"gamma must hold real numbers; got {gamma!r}")
-        host = host.astype(np.float64)
-        _check_decays(host, gamma)
-        gamma = xp_from_host(xp, host, dtype=p.work_dtype, device=p.device)
-    else:
-        check_array("gamma", gamma)
-        check_same_array_kind(xp, "q", q, "gamma", gamma)
-        if not xp.isdtype(gamma.dtype, ("real floating", "integral")):
-            raise TypeError(f"gamma must hold real numbers; got dtype {gamma.dtype}")
-        host = host_values(gamma)           # a few decays: read once, like a list
-        if host is not None:
-            _check_decays(host, f"an array of shape {tuple(gamma.shape)}")
-        gamma = xp.astype(gamma, p.work_dtype, copy=False)
     # one gate per head: (..., H) -> (..., H, 1, 1), the same at every token
-    g = xp.log(gamma)
+    g = xp.log(check_gamma(p, gamma, q))
     g = g[..., None, None] if g.ndim else g
     if g.ndim >= 3 and q.ndim >= 3 and g.shape[-3] not in (1, q.shape[-3]):
         raise ValueError(f"gamma has {g.shape[-3]} heads but q has {q.shape[-3]} "
@@ -282,7 +119,6 @@ def retention_log_gates(q, k, v, gamma):
     return xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device) + g
 
 
-@_doc
 def gla_attention(q, k, v, g, /, *, causal=True, key_mask=None, method="chunked",
                   chunk_size=16, scale=None, initial_state=None, return_state=False):
     r"""Gated linear attention (GLA; Yang et al. 2024, "Gated Linear Attention
@@ -300,7 +136,8 @@ def gla_attention(q, k, v, g, /, *, causal=True, key_mask=None, method="chunked"
     g : array ``(..., n, dk)``
         Log gates ``log alpha_t <= 0`` (in GLA ``logsigmoid(x W) / tau``); ``-inf`` is a
         gate of 0. A positive or NaN entry makes the outputs from that token on NaN.
-    COMMON
+    causal, key_mask, method, chunk_size, scale, initial_state, return_state
+        As in :func:`retention`, as are the returned ``out`` and ``state``.
 
     Examples
     --------
@@ -313,14 +150,12 @@ def gla_attention(q, k, v, g, /, *, causal=True, key_mask=None, method="chunked"
     >>> bool(np.allclose(chunked, gla_attention(q, k, v, g, method="recurrent")))
     True
     """
-    p = check_qkv(q, k, v)
-    g = _check_gate(p, "g", g, q, per_dim=True)
-    return _run(q, k, v, g, None, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                return_state=return_state)
+    g = check_gate(check_qkv(q, k, v), "g", g, q, per_dim=True)
+    return run_gated(q, k, v, g, None, causal=causal, key_mask=key_mask, method=method,
+                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                     return_state=return_state)
 
 
-@_doc
 def ssd_attention(q, k, v, a, /, *, causal=True, key_mask=None, method="chunked",
                   chunk_size=32, scale=None, initial_state=None, return_state=False):
     r"""Mamba-2's state-space duality (SSD; Dao & Gu 2024, "Transformers are SSMs"): a
@@ -341,7 +176,8 @@ def ssd_attention(q, k, v, a, /, *, causal=True, key_mask=None, method="chunked"
     q, k, v : arrays, shapes ``(..., n, dk)``, ``(..., n, dk)``, ``(..., n, dv)``
     a : array ``(..., n)``
         Log decays ``<= 0`` (``-inf``: a restart).
-    COMMON
+    causal, key_mask, method, chunk_size, scale, initial_state, return_state
+        As in :func:`retention`, as are the returned ``out`` and ``state``.
 
     Examples
     --------
@@ -355,25 +191,12 @@ def ssd_attention(q, k, v, a, /, *, causal=True, key_mask=None, method="chunked"
     >>> bool(np.allclose(ssd_attention(q, k, v, a), (L * (q @ k.swapaxes(1, 2))) @ v))
     True
     """
-    p = check_qkv(q, k, v)
-    a = _check_gate(p, "a", a, q, per_dim=False)
-    return _run(q, k, v, a, None, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                return_state=return_state)
+    a = check_gate(check_qkv(q, k, v), "a", a, q, per_dim=False)
+    return run_gated(q, k, v, a, None, causal=causal, key_mask=key_mask, method=method,
+                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                     return_state=return_state)
 
 
-def _delta_doc(fn):
-    fn.__doc__ = fn.__doc__.replace("    DELTA", """    beta : array ``(..., n)``
-        Writing strengths ``beta_t`` (in DeltaNet ``sigmoid(x W_beta)``, in ``(0, 1)``).
-        The update is a contraction when ``0 <= beta_t ||k_t||^2 <= 2`` (unit keys and
-        ``beta`` in ``[0, 2]``); outside it the state can grow without bound.
-    normalize_qk : bool
-        L2-normalise ``q`` and ``k`` first (fla's ``use_qk_l2norm_in_kernel``; DeltaNet
-        layers do so).""")
-    return _doc(fn)
-
-
-@_delta_doc
 def delta_attention(q, k, v, beta, /, *, normalize_qk=False, causal=True, key_mask=None,
                     method="chunked", chunk_size=16, scale=None, initial_state=None,
                     return_state=False):
@@ -394,8 +217,15 @@ def delta_attention(q, k, v, beta, /, *, normalize_qk=False, causal=True, key_ma
     Parameters
     ----------
     q, k, v : arrays, shapes ``(..., n, dk)``, ``(..., n, dk)``, ``(..., n, dv)``
-    DELTA
-    COMMON
+    beta : array ``(..., n)``
+        Writing strengths ``beta_t`` (in DeltaNet ``sigmoid(x W_beta)``, in ``(0, 1)``).
+        The update is a contraction when ``0 <= beta_t ||k_t||^2 <= 2`` (unit keys and
+        ``beta`` in ``[0, 2]``); outside it the state can grow without bound.
+    normalize_qk : bool
+        L2-normalise ``q`` and ``k`` first (fla's ``use_qk_l2norm_in_kernel``; DeltaNet
+        layers do so).
+    causal, key_mask, method, chunk_size, scale, initial_state, return_state
+        As in :func:`retention`, as are the returned ``out`` and ``state``.
 
     Examples
     --------
@@ -410,15 +240,14 @@ def delta_attention(q, k, v, beta, /, *, normalize_qk=False, causal=True, key_ma
     True
     """
     p = check_qkv(q, k, v)
-    beta = _check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
+    beta = check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
     g = p.xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device)
-    return _run(q, k, v, g, beta, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                return_state=return_state, normalize_qk=check_flag("normalize_qk",
-                                                                   normalize_qk))
+    return run_gated(q, k, v, g, beta, causal=causal, key_mask=key_mask, method=method,
+                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                     return_state=return_state,
+                     normalize_qk=check_flag("normalize_qk", normalize_qk))
 
 
-@_delta_doc
 def gated_delta_attention(q, k, v, beta, g, /, *, normalize_qk=False, causal=True,
                           key_mask=None, method="chunked", chunk_size=16, scale=None,
                           initial_state=None, return_state=False):
@@ -433,10 +262,14 @@ def gated_delta_attention(q, k, v, beta, g, /, *, normalize_qk=False, causal=Tru
     Parameters
     ----------
     q, k, v : arrays, shapes ``(..., n, dk)``, ``(..., n, dk)``, ``(..., n, dv)``
-    DELTA
+    beta : array ``(..., n)``
+        Writing strengths, as in :func:`delta_attention`.
     g : array ``(..., n)``
         Log decays ``<= 0`` (``-inf``: a restart); ``g = 0`` is DeltaNet.
-    COMMON
+    normalize_qk : bool
+        As in :func:`delta_attention`.
+    causal, key_mask, method, chunk_size, scale, initial_state, return_state
+        As in :func:`retention`, as are the returned ``out`` and ``state``.
 
     Examples
     --------
@@ -450,68 +283,12 @@ def gated_delta_attention(q, k, v, beta, g, /, *, normalize_qk=False, causal=Tru
     True
     """
     p = check_qkv(q, k, v)
-    beta = _check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
-    g = _check_gate(p, "g", g, q, per_dim=False)
-    return _run(q, k, v, g, beta, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                return_state=return_state, normalize_qk=check_flag("normalize_qk",
-                                                                   normalize_qk))
-
-
-def gated_attention_step(q_t, k_t, v_t, state, /, *, g_t=None, beta_t=None, scale=None,
-                         normalize_qk=False):
-    r"""One decoding step of any member of the family: ``(o_t, S_t)`` from ``S_(t-1)``.
-
-    ``S_t = diag(exp g_t) S_(t-1) + k_t^T v_t`` (``beta_t`` None), or
-    ``S_t = exp(g_t) (I - beta_t k_t^T k_t) S_(t-1) + beta_t k_t^T v_t``; ``o_t = q_t S_t``.
-
-    Parameters
-    ----------
-    q_t, k_t, v_t : arrays, shapes ``(..., dk)``, ``(..., dk)``, ``(..., dv)``
-    state : array ``(..., dk, dv)``
-        ``S_(t-1)``, e.g. from ``return_state=True``.
-    g_t : array, optional
-        Log gate(s): ``(..., dk)`` per key dimension (GLA) or ``(...)`` one per token
-        (retention: ``log gamma``; SSD; gated DeltaNet); ``None``: no decay.
-    beta_t : array ``(...)``, optional
-        The delta rule's writing strength; ``None``: the additive (gated) update.
-    scale, normalize_qk
-        As in the full-sequence functions.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from arrayattn import gla_attention, gated_attention_step
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((2, 6, 4)) for _ in range(3))
-    >>> g = -rng.random((2, 6, 4))
-    >>> full = gla_attention(q, k, v, g)
-    >>> out, s = gla_attention(q[:, :4], k[:, :4], v[:, :4], g[:, :4], return_state=True)
-    >>> for t in (4, 5):
-    ...     o, s = gated_attention_step(q[:, t], k[:, t], v[:, t], s, g_t=g[:, t])
-    >>> bool(np.allclose(o, full[:, 5]))
-    True
-    """
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        check_array(name, x, min_ndim=1)
-    q, k, v = (x[..., None, :] for x in (q_t, k_t, v_t))
-    p = check_qkv(q, k, v)
-    xp = p.xp
-    if g_t is None:
-        g = xp.zeros((1, 1), dtype=p.work_dtype, device=p.device)
-    else:
-        check_array("g_t", g_t)
-        per_dim = g_t.ndim >= 1 and g_t.shape[-1] == p.d and g_t.ndim == q_t.ndim
-        g = _check_gate(p, "g_t", g_t[..., None, :] if per_dim else g_t[..., None], q,
-                        per_dim=per_dim)
-    beta = None
-    if beta_t is not None:
-        check_array("beta_t", beta_t)
-        beta = _check_gate(p, "beta_t", beta_t[..., None], q, per_dim=False)[..., 0]
-    out, s = _run(q, k, v, g, beta, causal=True, key_mask=None, method="recurrent",
-                  chunk_size=1, scale=scale, initial_state=state, return_state=True,
-                  normalize_qk=check_flag("normalize_qk", normalize_qk))
-    return out[..., 0, :], s
+    beta = check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
+    g = check_gate(p, "g", g, q, per_dim=False)
+    return run_gated(q, k, v, g, beta, causal=causal, key_mask=key_mask, method=method,
+                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                     return_state=return_state,
+                     normalize_qk=check_flag("normalize_qk", normalize_qk))
 
 
 # ---------------------------------------------------------------------------------
@@ -521,7 +298,6 @@ def gated_attention_step(q_t, k_t, v_t, state, /, *, g_t=None, beta_t=None, scal
 def _draw(q, shape, seed, fn):
     """``fn(rng)`` of ``shape`` drawn with ``numpy.random.default_rng(seed)`` in float64,
     moved to ``q``'s library and device in ``q``'s dtype."""
-    from array_api_compat import array_namespace
     xp = array_namespace(q)
     host = fn(np.random.default_rng(check_seed(seed)), shape)
     return xp_from_host(xp, host, dtype=q.dtype, device=xp_device(q))
@@ -531,12 +307,15 @@ def _log_sigmoid(x):
     return -np.logaddexp(0.0, -x)
 
 
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
 def _default_gammas(q, options: dict) -> dict:
     """RetNet's per-head decays for ``q``'s heads, resolved before grouped-query heads
     split them (query head ``h`` keeps ``gamma_h``)."""
     if options.get("gamma") is not None or getattr(q, "ndim", 0) < 3 or q.shape[-3] == 0:
         return options
-    from array_api_compat import array_namespace
     xp = array_namespace(q)
     wd = q.dtype if xp.isdtype(q.dtype, "real floating") else xp.float64
     gammas = xp_from_host(xp, retention_gammas(q.shape[-3]), dtype=wd, device=xp_device(q))
@@ -553,11 +332,26 @@ def _checked(call):
 
 
 def drawn_gla_gates(q, seed):
+    """``gla``'s gates: ``log sigmoid(N(3, 1))`` per token and key dimension."""
     return _draw(q, q.shape, seed, lambda r, s: _log_sigmoid(r.standard_normal(s) + 3.0))
 
 
 def drawn_ssd_decays(q, seed):
+    """``ssd``'s log decays: ``-exp(N(-2.5, 0.5))`` per token."""
     return _draw(q, q.shape[:-1], seed, lambda r, s: -np.exp(r.normal(-2.5, 0.5, s)))
+
+
+def drawn_delta_betas(q, seed):
+    """``deltanet``'s writing strengths: ``sigmoid(N(0, 1))`` per token."""
+    return _draw(q, q.shape[:-1], seed, lambda r, s: _sigmoid(r.standard_normal(s)))
+
+
+def drawn_gated_delta_gates(q, seed):
+    """``gated_deltanet``'s ``(beta, g)``: ``sigmoid(N(0, 1))`` and
+    ``log sigmoid(N(3, 1))`` per token, in that draw order."""
+    bg = _draw(q, q.shape[:-1], seed, lambda r, s: np.stack([
+        _sigmoid(r.standard_normal(s)), _log_sigmoid(r.standard_normal(s) + 3.0)]))
+    return bg[0, ...], bg[1, ...]
 
 
 @_checked
@@ -572,17 +366,12 @@ def _ssd_call(q, k, v, /, *, seed=0, **options):
 
 @_checked
 def _delta_call(q, k, v, /, *, seed=0, **options):
-    beta = _draw(q, q.shape[:-1], seed, lambda r, s: 1.0 / (1.0 + np.exp(-r.standard_normal(s))))
-    return delta_attention(q, k, v, beta, **options)
+    return delta_attention(q, k, v, drawn_delta_betas(q, seed), **options)
 
 
 @_checked
 def _gated_delta_call(q, k, v, /, *, seed=0, **options):
-    def draws(r, s):
-        return np.stack([1.0 / (1.0 + np.exp(-r.standard_normal(s))),
-                         _log_sigmoid(r.standard_normal(s) + 3.0)])
-    bg = _draw(q, q.shape[:-1], seed, draws)
-    return gated_delta_attention(q, k, v, bg[0, ...], bg[1, ...], **options)
+    return gated_delta_attention(q, k, v, *drawn_gated_delta_gates(q, seed), **options)
 
 
 _GATED = dict(family="gated", exact=False, causal=True, key_mask=True, normalized=False,

@@ -1,109 +1,28 @@
-r"""Kernel (linear) attention and efficient attention.
-
-Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs") replaces
-:math:`\exp(q\cdot k)` by a kernel :math:`\varphi_q(q)\cdot\varphi_k(k)` and reorders the
-products, so no ``n x s`` matrix is formed:
-
-.. math::
-
-    O_i = \frac{\varphi_q(q_i)^\top \sum_j \varphi_k(k_j) v_j^\top}
-               {\varphi_q(q_i)^\top \sum_j \varphi_k(k_j)}
-
-Causal attention restricts the sums to the keys query ``i`` may see (end-aligned:
-``j <= i + s - n``) and is computed in one of three forms, equal to rounding:
-``"recurrent"`` (the RNN recurrence, sequential over tokens), ``"cumsum"`` (a cumulative
-sum of the per-token outer products: ``O(n m dv)`` memory) and ``"chunked"`` (the
-default: quadratic inside chunks, a cumulative sum of per-chunk states between chunks).
-
-:func:`feature_attention` does all of this on already-computed features (it is shared
-with the random-feature variants); :func:`linear_attention` applies a feature map and
-calls it.  Efficient attention (Shen et al. 2021) is :func:`efficient_attention`.
-"""
+"""The kernel-attention functions: linear attention (Katharopoulos et al. 2020) on a feature
+map or on given features, and efficient attention (Shen et al. 2021), with their registry
+records."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
-
-import array_api_compat
-
 from . import reference
+from ._engine import entry
+from ._linear_run import run_features, run_kernel
+from ._linear_state import LinearAttentionState
 from ._numpy import kernel as numpy_kernel
-from ._engine import entry, numpy_engine
-from ._validate import (Problem, broadcast_batch, check_array, check_choice,
-                        check_flag, check_key_mask, check_no_causal, check_positive_int,
-                        check_qkv, check_same_array_kind)
-from ._xp import compute_dtype
-from .feature_maps import FEATURE_MAPS, FeatureMap, get_feature_map
+from ._validate import check_flag, check_key_mask, check_no_causal, check_qkv
+from ._validate_linear import check_kernel_options, checked_maps
+from .feature_maps import FEATURE_MAPS, get_feature_map
 from .registry import Variant, register
+# moved (kept importable from here): the decoding API and the family's checks
+from .decoding import feature_attention_step, linear_attention_state, linear_attention_step
+from ._validate_linear import CAUSAL_METHODS, check_eps, check_state
 
 __all__ = [
-    "LinearAttentionState", "feature_attention", "feature_attention_step",
-    "linear_attention", "linear_attention_state", "linear_attention_step",
-    "efficient_attention", "check_eps", "check_kernel_options", "check_state",
+    "feature_attention", "linear_attention", "efficient_attention",
+    # moved; re-exported
+    "LinearAttentionState", "feature_attention_step", "linear_attention_state",
+    "linear_attention_step", "check_eps", "check_kernel_options", "check_state",
     "checked_maps",
 ]
-
-CAUSAL_METHODS = ("recurrent", "cumsum", "chunked")
-
-
-@dataclass(frozen=True)
-class LinearAttentionState:
-    r"""The recurrent state of causal linear attention after some tokens.
-
-    .. math:: S = \sum_j \varphi_k(k_j) v_j^\top \;(\ldots, m, d_v),\qquad
-              z = \sum_j \varphi_k(k_j) \;(\ldots, m)
-
-    over the ``num_tokens`` keys seen so far.  ``S`` and ``z`` are kept in the working
-    dtype (float32 for float16/bfloat16 inputs).  The state is immutable: every update
-    returns a new state (safe under JAX transformations).
-
-    Attributes
-    ----------
-    S : array, shape ``(..., m, dv)``
-    z : array, shape ``(..., m)``
-    num_tokens : int
-        Keys summed into the state.
-    feature_map : FeatureMap or None
-        The map the features were made with (``None`` for states of
-        :func:`feature_attention`, whose caller owns the features).
-    """
-
-    S: Any
-    z: Any
-    num_tokens: int = 0
-    feature_map: FeatureMap | None = None
-
-    @property
-    def m(self) -> int:
-        return int(self.S.shape[-2])
-
-    @property
-    def dv(self) -> int:
-        return int(self.S.shape[-1])
-
-    @property
-    def batch(self) -> tuple:
-        return tuple(self.S.shape[:-2])
-
-
-def check_state(p: Problem, state, ref, m: int) -> tuple:
-    """Validate a state against features of dimension ``m``; returns the batch shape."""
-    if not isinstance(state, LinearAttentionState):
-        raise TypeError(f"state must be a LinearAttentionState; got {type(state).__name__}")
-    check_same_array_kind(p.xp, "phi_q", ref, "state.S", state.S)
-    if tuple(state.S.shape[-2:]) != (m, p.dv) or tuple(state.z.shape) != (
-            *state.S.shape[:-1],):
-        raise ValueError(
-            f"state has S {tuple(state.S.shape)} and z {tuple(state.z.shape)}, but the "
-            f"inputs need S (..., m, dv) = (..., {m}, {p.dv}) and z (..., {m})"
-        )
-    if state.S.dtype != p.work_dtype or state.z.dtype != p.work_dtype:
-        raise TypeError(
-            f"state is in {state.S.dtype} but inputs of dtype {p.dtype} are computed in "
-            f"{p.work_dtype}; make the state with that dtype"
-        )
-    return broadcast_batch([("inputs", p.batch), ("state", tuple(state.S.shape[:-2]))])
 
 
 def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=None,
@@ -193,161 +112,9 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     >>> bool(np.allclose(c, r)) and bool(np.allclose(c[:, 0], v[:, 0]))
     True
     """
-    p = check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
-    causal = check_flag("causal", causal)
-    return_state = check_flag("return_state", return_state)
-    chunk_size, method, eps = check_kernel_options(p, phi_q, key_mask, chunk_size, method,
-                                                   eps)
-    xp, wd, m = p.xp, p.work_dtype, p.d
-    batch = p.batch if state is None else check_state(p, state, phi_q, m)
-    sz0 = None
-    if state is not None:
-        sz0 = xp.concat([state.S, state.z[..., None]], axis=-1)
-    pq, pk, wv = (xp.astype(x, wd, copy=False) for x in (phi_q, phi_k, v))
-    out, sz = _kernel_dispatch(
-        p, pq, pk, wv, batch=batch, causal=causal, key_mask=key_mask, method=method,
-        chunk_size=chunk_size, eps=eps, sz0=sz0)
-    if not return_state:
-        return out
-    num_tokens = p.s + (0 if state is None else state.num_tokens)
-    return out, LinearAttentionState(sz[..., :-1], sz[..., -1], num_tokens,
-                                     None if state is None else state.feature_map)
-
-
-def _kernel_dispatch(p: Problem, q, k, v, *, batch, causal, key_mask, method,
-                              chunk_size, eps, sz0=None, maps=None, engine_maps=None,
-                              m=None, normalize=True):
-    """Kernel attention on validated inputs in the working dtype, NumPy engine or
-    reference form (chosen once): ``(out in p.dtype, Sz (*batch, m, dv + 1))``.
-
-    ``maps = (phi_q, phi_k)`` are applied to ``q`` and ``k`` (features when ``None``);
-    ``engine_maps`` the same maps for the NumPy engine (default ``maps``); ``m`` is the
-    feature width when known (sizes the engine's blocks).  Masked keys and
-    values are zeroed once here (padding may hold NaN or inf).  ``s = 0``: zeros.
-    ``normalize=False`` (the numerator alone) runs the reference form: the engine has no
-    such path.
-    """
-    xp = p.xp
-    query_map, key_map = (None, None) if maps is None else maps
-    engine_q, engine_k = (query_map, key_map) if engine_maps is None else engine_maps
-    m = q.shape[-1] if m is None else m
-    with entry(xp):
-        k, v = reference.zero_masked_keys(key_mask, k, v)
-        # causal: a non-finite key or value reaches only the rows that see it
-        bad = reference.nonfinite_rows(k, v) if causal else None
-        k, v = (k, v) if bad is None else reference.drop_nonfinite(bad, k, v)
-        if normalize and numpy_engine(xp, math.prod(batch) * (p.n + p.s) * max(m, p.dv + 1)
-                                      * 4):
-            out, sz = numpy_kernel.kernel_attention(
-                v, query_features=numpy_kernel.rows_of(q, engine_q),
-                key_features=numpy_kernel.rows_of(k, engine_k), n=p.n, s=p.s, batch=batch,
-                causal=causal, key_mask=key_mask, method=method, chunk=chunk_size,
-                sz0=sz0, eps=eps, m=m)
-        else:
-            pq = q if query_map is None else query_map(q)
-            pk = k if key_map is None else key_map(k)
-            out, sz = reference.kernel_attention(
-                pq, pk, v, causal=causal, key_mask=key_mask, method=method,
-                chunk_size=chunk_size, eps=eps, state=sz0, normalize=normalize)
-    if bad is not None:
-        out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
-        sz = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, sz)
-    sz = xp.broadcast_to(sz, (*batch, *sz.shape[-2:]))
-    return xp.astype(out, p.dtype, copy=False), sz
-
-
-def checked_maps(fm: FeatureMap, ref) -> tuple:
-    """The query and key maps of ``fm`` with their outputs checked: arrays of ``ref``'s
-    library, the rows and dtype kept, one width for both (a map returning something
-    else fails here, by name, not deep inside a product)."""
-    widths: dict = {}
-
-    def checked(f, which):
-        def phi(x):
-            out = f(x)
-            name = f"feature_map's {which} map output"
-            check_array(name, out, min_ndim=1)
-            check_same_array_kind(None, which + "s", ref, name, out)
-            if out.ndim != x.ndim or tuple(out.shape[:-1]) != tuple(x.shape[:-1]):
-                raise ValueError(
-                    f"feature_map's {which} map turned {which}s of shape {tuple(x.shape)} "
-                    f"into {tuple(out.shape)}; a map must act on the last axis only")
-            if out.dtype != x.dtype:
-                raise TypeError(f"feature_map's {which} map returned dtype {out.dtype} "
-                                f"for {which}s of dtype {x.dtype}")
-            widths[which] = out.shape[-1]
-            if widths.get("query", out.shape[-1]) != widths.get("key", out.shape[-1]):
-                raise ValueError(
-                    f"phi_k has d={widths['key']} but phi_q has d={widths['query']}: the "
-                    "feature map must give queries and keys the same number of features")
-            return out
-        return phi
-    return checked(fm.query, "query"), checked(fm.key, "key")
-
-
-def check_kernel_options(p: Problem, ref, key_mask, chunk_size, method, eps):
-    """The options :func:`feature_attention` and :func:`linear_attention` share, checked:
-    ``(chunk_size, method, eps)`` with ``method=None`` -> ``"chunked"`` and ``eps`` a float."""
-    check_key_mask(p, key_mask, ref)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    method = "chunked" if method is None else check_choice("method", method,
-                                                           CAUSAL_METHODS)
-    return chunk_size, method, check_eps(eps, p.xp, p.work_dtype)
-
-
-def check_eps(eps, xp, wd) -> float:
-    """``eps`` as a float; ``None`` is the smallest positive normal number of ``wd``."""
-    if eps is None:
-        return float(xp.finfo(wd).smallest_normal)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
-            math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0 or None; got {eps!r}")
-    return float(eps)
-
-
-def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
-    r"""One decoding step of causal kernel attention on features.
-
-    Adds the key :math:`\varphi_{k,t}` and value :math:`v_t` to the state, then
-    attends with :math:`\varphi_{q,t}`:
-    :math:`S_t = S_{t-1} + \varphi_{k,t} v_t^\top`, :math:`z_t = z_{t-1} +
-    \varphi_{k,t}`, :math:`o_t = \varphi_{q,t}^\top S_t / \varphi_{q,t}^\top z_t`.
-
-    Parameters
-    ----------
-    phi_q_t, phi_k_t : array, shape ``(..., m)``
-    v_t : array, shape ``(..., dv)``
-    state : LinearAttentionState
-        Not modified; a new state is returned.
-    eps : float, optional
-        As in :func:`feature_attention`.
-
-    Returns
-    -------
-    out_t : array, shape ``(..., dv)``
-    state : LinearAttentionState
-        With ``num_tokens`` increased by one.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from arrayattn import feature_attention, feature_attention_step, linear_attention_state
-    >>> rng = np.random.default_rng(0)
-    >>> fq, fk, v = rng.random((6, 3)), rng.random((6, 3)), rng.standard_normal((6, 2))
-    >>> st = linear_attention_state(np, (), 3, 2, feature_map="relu")  # m = d = 3 features
-    >>> outs = []
-    >>> for t in range(6):
-    ...     o, st = feature_attention_step(fq[t], fk[t], v[t], st)
-    ...     outs.append(o)
-    >>> bool(np.allclose(np.stack(outs), feature_attention(fq, fk, v, causal=True)))
-    True
-    """
-    for name, x in (("phi_q_t", phi_q_t), ("phi_k_t", phi_k_t), ("v_t", v_t)):
-        check_array(name, x, min_ndim=1)
-    out, new = feature_attention(phi_q_t[..., None, :], phi_k_t[..., None, :],
-                                 v_t[..., None, :], causal=True, eps=eps,
-                                 method="recurrent", return_state=True, state=state)
-    return out[..., 0, :], new
+    return run_features(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=eps,
+                        method=method, chunk_size=chunk_size, return_state=return_state,
+                        state=state)
 
 
 def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=None,
@@ -424,114 +191,13 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
     # the engine's elu+1 makes one temporary less
     engine_maps = (numpy_kernel.elu_plus_one_,) * 2 if fm is FEATURE_MAPS["elu+1"] else maps
     m = fm.dim(p.d) if fm.dim is not None else None
-    out, sz = _kernel_dispatch(
+    out, sz = run_kernel(
         p, wq, wk, wv, batch=p.batch, causal=causal, key_mask=key_mask, method=method,
         chunk_size=chunk_size, eps=eps, maps=maps, engine_maps=engine_maps, m=m,
         normalize=check_flag("normalize", normalize))
     if not return_state:
         return out
     return out, LinearAttentionState(sz[..., :-1], sz[..., -1], p.s, fm)
-
-
-def linear_attention_state(xp, batch_shape, d, dv, /, *, feature_map="elu+1", dtype=None,
-                           device=None) -> LinearAttentionState:
-    """An empty decoding state (no token seen yet).
-
-    Parameters
-    ----------
-    xp : namespace
-        The array library, e.g. ``numpy``, ``torch``, ``jax.numpy``, ``cupy``,
-        ``array_api_strict``.
-    batch_shape : tuple of int
-        Leading dimensions (batch, heads).
-    d, dv : int
-        Query/key and value dimensions.
-    feature_map : str, FeatureMap, callable or pair
-        As in :func:`linear_attention`; stored in the state.
-    dtype : dtype, optional
-        The dtype of the inputs that will be fed (default: the library's default
-        floating dtype).  The state is kept in the working dtype (float32 for
-        float16/bfloat16).
-    device : device, optional
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> st = linear_attention_state(np, (2, 3), 4, 5, feature_map="cosine")
-    >>> st.S.shape, st.z.shape, st.num_tokens, st.feature_map.name
-    ((2, 3, 5, 5), (2, 3, 5), 0, 'cosine')
-    """
-    if (isinstance(xp, str) or array_api_compat.is_array_api_obj(xp)
-            or not callable(getattr(xp, "asarray", None))
-            or not callable(getattr(xp, "zeros", None))):
-        raise TypeError(f"xp must be an array namespace (the module, e.g. numpy, torch, "
-                        f"jax.numpy, cupy, array_api_strict); got {xp!r:.80}")
-    fm = get_feature_map(feature_map)
-    d = check_positive_int("d", d)
-    dv = check_positive_int("dv", dv)
-    batch = tuple(check_positive_int("batch_shape", b, minimum=0) for b in batch_shape)
-    probe = xp.asarray(0.0) if dtype is None else xp.asarray(0.0, dtype=dtype)
-    cxp = array_api_compat.array_namespace(probe)
-    dtype = probe.dtype
-    if not cxp.isdtype(dtype, "real floating"):
-        raise TypeError(f"dtype must be a real floating dtype; got {dtype}")
-    wd = compute_dtype(cxp, dtype)
-    m = fm.output_dim(d, xp=cxp, dtype=wd, device=device)
-    S = cxp.zeros((*batch, m, dv), dtype=wd, device=device)
-    z = cxp.zeros((*batch, m), dtype=wd, device=device)
-    return LinearAttentionState(S, z, 0, fm)
-
-
-def linear_attention_step(q_t, k_t, v_t, state, /, *, eps=None):
-    r"""One autoregressive decoding step of causal linear attention.
-
-    Feeds the token ``(q_t, k_t, v_t)`` to ``state`` and returns its output and the new
-    state (the state's feature map is applied; the old state is not modified).
-    Feeding a sequence token by token gives the outputs of
-    ``linear_attention(q, k, v, causal=True)``.
-
-    Parameters
-    ----------
-    q_t, k_t : array, shape ``(..., d)``
-    v_t : array, shape ``(..., dv)``
-    state : LinearAttentionState
-        From :func:`linear_attention_state` or ``linear_attention(...,
-        return_state=True)``.
-    eps : float, optional
-        As in :func:`feature_attention`.
-
-    Returns
-    -------
-    out_t : array, shape ``(..., dv)``
-        Same dtype as ``q_t``.
-    state : LinearAttentionState
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from arrayattn import linear_attention, linear_attention_step
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
-    >>> out, st = linear_attention(q[:3], k[:3], v[:3], causal=True, return_state=True)
-    >>> o3, st = linear_attention_step(q[3], k[3], v[3], st)   # the prompt, then a step
-    >>> bool(np.allclose(o3, linear_attention(q[:4], k[:4], v[:4], causal=True)[3]))
-    True
-    """
-    if not isinstance(state, LinearAttentionState) or state.feature_map is None:
-        raise TypeError("state must be a LinearAttentionState made by "
-                        "linear_attention_state or linear_attention(return_state=True)")
-    fm = state.feature_map
-    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        check_array(name, x, min_ndim=1)
-    p = check_qkv(q_t[..., None, :], k_t[..., None, :], v_t[..., None, :],
-                  names=("q_t", "k_t", "v_t"))
-    xp = p.xp
-    wq, wk, wv = (xp.astype(x, p.work_dtype, copy=False) for x in (q_t, k_t, v_t))
-    if not (fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]):
-        fm = FeatureMap(fm.name, *checked_maps(fm, q_t))
-    with entry(xp):
-        out, new = feature_attention_step(fm.query(wq), fm.key(wk), wv, state, eps=eps)
-    return xp.astype(out, p.dtype, copy=False), new
 
 
 def efficient_attention(q, k, v, /, *, causal=False, key_mask=None):

@@ -8,8 +8,8 @@ Choromanski et al. 2020, "Rethinking Attention with Performers" (ICLR 2021).
         \frac{\sum_j \phi(q_i)\cdot\phi(k_j)\, v_j}{\sum_j \phi(q_i)\cdot\phi(k_j)},
     \qquad \phi(q)\cdot\phi(k) \approx \exp(\mathrm{scale}\; q\cdot k),
 
-computed as ``φ(Q) (φ(K)^T V)`` (never the n x s matrix).  The feature maps and the
-projection live in :mod:`arrayattn.random_features`.
+computed as ``φ(Q) (φ(K)^T V)`` (never the n x s matrix).  The feature maps are in
+:mod:`arrayattn.feature_kinds`, the projection in :mod:`arrayattn.random_projection`.
 
 Stabilisation (exact, and causal-safe bit for bit)
 --------------------------------------------------
@@ -37,8 +37,9 @@ from ._numpy import kernel as numpy_kernel
 from ._numpy import performer as numpy_performer
 from ._validate import (check_choice, check_flag, check_key_mask, check_positive_int,
                         check_qkv, check_scale, check_seed)
-from .random_features import (EXP_KINDS, FEATURE_KINDS, NORMS, PROJECTIONS, RandomFeatures,
-                              as_features, check_kind, resolve_gerf_a)
+from ._validate_linear import NORMS, PROJECTIONS
+from .feature_kinds import EXP_KINDS, FEATURE_KINDS, check_kind, resolve_gerf_a
+from .random_projection import RandomFeatures, as_features
 from .registry import Variant, register
 
 __all__ = ["performer_attention", "checked_performer"]

@@ -16,7 +16,7 @@ and for unit vectors :math:`\exp(\hat q\cdot\hat k/\sigma^2) = e^{1/\sigma^2}
 with one constant for every pair, to the softmax kernel of the normalised inputs at
 temperature :math:`\sigma^2`.  The constant cancels in the attention ratio, so RFA
 estimates ``softmax(q̂ k̂ᵀ / σ²) v``.  The rows ``ω`` are a
-:class:`~arrayattn.random_features.RandomFeatures` (the Performer's host-drawn projection);
+:class:`~arrayattn.random_projection.RandomFeatures` (the Performer's host-drawn projection);
 the sin/cos rows are the ``kind="trig"`` rows of ``arrayattn.reference.favor_rows``
 at ``scale = 1/σ²``, without the Performer trig map's ``exp(‖x̃‖²/2)`` factor, which is
 constant for unit vectors.
@@ -44,8 +44,9 @@ from ._engine import entry
 from ._validate import (broadcast_batch, check_array, check_choice, check_flag,
                         check_key_mask, check_positive_int, check_qkv, check_same_array_kind,
                         check_seed)
-from .kernel import CAUSAL_METHODS, check_eps, feature_attention
-from .random_features import NORMS, PROJECTIONS, RandomFeatures, as_features
+from ._validate_linear import CAUSAL_METHODS, NORMS, PROJECTIONS, check_eps
+from .kernel import feature_attention
+from .random_projection import RandomFeatures, as_features
 from .registry import Variant, register
 
 __all__ = ["rfa_attention", "rfa_features", "checked_rfa"]

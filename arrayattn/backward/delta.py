@@ -13,13 +13,11 @@ are constants and get no cotangent.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from .. import reference
 from .._engine import entry
-from .._validate import check_flag, check_qkv, check_seed
-from .._xp import xp_from_host
-from ..gated import checked_gated
+from .._validate import check_flag, check_qkv
+from .._validate_linear import checked_gated
+from ..gated import drawn_delta_betas, drawn_gated_delta_gates
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["delta_attention_vjp", "gated_delta_attention_vjp", "deltanet_vjp",
@@ -28,8 +26,8 @@ __all__ = ["delta_attention_vjp", "gated_delta_attention_vjp", "deltanet_vjp",
 
 def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, chunk_size,
                scale, initial_state, return_state):
-    """Gradients of the forward ``gated._run(q, k, v, g, beta, ...)`` for the arguments
-    the call received (``g=None``: DeltaNet), each summed to its shape."""
+    """Gradients of the forward ``_linear_run.run_gated(q, k, v, g, beta, ...)`` for the
+    arguments the call received (``g=None``: DeltaNet), each summed to its shape."""
     gates = (("beta", beta, False),) + ((("g", g, False),) if g is not None else ())
     p, method, chunk_size, _, s0, checked = checked_gated(
         q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
@@ -54,7 +52,7 @@ def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, 
         wk, wv = reference.zero_masked_keys(km, wk, wv)
         g = xp.where(km[..., None], g, 0.0)
         beta = xp.where(km, beta, 0.0)
-    # the forward's rule (gated._run): a bad token is dropped, the rows from it on are NaN
+    # the forward's rule (run_gated): a bad token is dropped, the rows from it on are NaN
     bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1) | ~xp.isfinite(beta)
     wk, wv = reference.drop_nonfinite(bad, wk, wv)
     g, beta = xp.where(bad[..., None], 0.0, g), xp.where(bad, 0.0, beta)
@@ -110,25 +108,13 @@ def gated_delta_attention_vjp(q, k, v, do, /, *, beta, g, normalize_qk=False, ca
                       initial_state=initial_state, return_state=return_state)
 
 
-# The uniform call's draws, exactly as arrayattn.gated._delta_call / _gated_delta_call
-# (tests/test_vjp.py compares with autodiff through the registry's reference call, so a
-# drift between the two fails there).
-
-def _draw(q, seed, fn):
-    from array_api_compat import array_namespace, device
-    host = fn(np.random.default_rng(check_seed(seed)), q.shape[:-1])
-    return xp_from_host(array_namespace(q), host, dtype=q.dtype, device=device(q))
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
+# The uniform call's draws are the forward's own (arrayattn.gated.drawn_*).
 
 def deltanet_vjp(q, k, v, do, /, *, seed=0, **options):
     """``{"q", "k", "v"[, "initial_state"]}`` of the uniform call ``deltanet``:
     ``beta = sigmoid(N(0, 1))`` drawn from ``seed`` (no cotangent)."""
     check_qkv(q, k, v)
-    beta = _draw(q, seed, lambda r, s: _sigmoid(r.standard_normal(s)))
+    beta = drawn_delta_betas(q, seed)
     grads = delta_attention_vjp(q, k, v, do, beta=beta, **options)
     return {name: x for name, x in grads.items() if name != "beta"}
 
@@ -138,10 +124,6 @@ def gated_deltanet_vjp(q, k, v, do, /, *, seed=0, **options):
     ``beta = sigmoid(N(0, 1))`` and ``g = log sigmoid(N(3, 1))`` drawn from ``seed``
     (no cotangent)."""
     check_qkv(q, k, v)
-
-    def draws(r, s):
-        return np.stack([_sigmoid(r.standard_normal(s)),
-                         -np.logaddexp(0.0, -(r.standard_normal(s) + 3.0))])
-    bg = _draw(q, seed, draws)
-    grads = gated_delta_attention_vjp(q, k, v, do, beta=bg[0, ...], g=bg[1, ...], **options)
+    beta, g = drawn_gated_delta_gates(q, seed)
+    grads = gated_delta_attention_vjp(q, k, v, do, beta=beta, g=g, **options)
     return {name: x for name, x in grads.items() if name not in ("beta", "g")}

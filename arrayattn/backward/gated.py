@@ -15,7 +15,8 @@ from __future__ import annotations
 from .. import reference
 from .._engine import entry
 from .._validate import check_qkv
-from ..gated import checked_gated, drawn_gla_gates, drawn_ssd_decays, retention_log_gates
+from .._validate_linear import checked_gated
+from ..gated import drawn_gla_gates, drawn_ssd_decays, retention_log_gates
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["retention_vjp", "gla_attention_vjp", "ssd_attention_vjp", "gla_call_vjp",
@@ -33,7 +34,7 @@ def _gated_vjp(q, k, v, do, gate, *, causal, key_mask, method, chunk_size, scale
         gates=(gate,) if isinstance(gate, tuple) else ())
     xp, wd = p.xp, p.work_dtype
     g = checked[0] if checked else gate
-    # the forward's preprocessing (gated._run), differentiated below
+    # the forward's preprocessing (_linear_run.run_gated), differentiated below
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
     if scale is not None:
         wq = wq * float(scale)

@@ -11,7 +11,8 @@ from .. import reference
 from .._engine import entry
 from .._validate import check_flag, check_key_mask, check_no_causal, check_qkv
 from ..feature_maps import FEATURE_MAPS, get_feature_map
-from ..kernel import LinearAttentionState, check_kernel_options, check_state, checked_maps
+from .._linear_state import LinearAttentionState
+from .._validate_linear import check_kernel_options, check_state, checked_maps
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["linear_attention_vjp", "feature_attention_vjp", "efficient_attention_vjp"]
@@ -30,7 +31,7 @@ def _user_map_vjp(fm, vjp, which, ref):
 
 
 def _drop_bad(causal, key_mask, k, v):
-    """The forward's rule (``kernel._kernel_dispatch``): causal, a non-finite key or value
+    """The forward's rule (``_linear_run.run_kernel``): causal, a non-finite key or value
     is dropped and the rows that see it become NaN; masked keys are not faults."""
     if not causal:
         return k, v, None

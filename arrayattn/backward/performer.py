@@ -8,7 +8,8 @@ from __future__ import annotations
 from .. import reference
 from .._engine import entry
 from ..performer import checked_performer
-from ..random_features import RandomFeatures, resolve_gerf_a
+from ..feature_kinds import resolve_gerf_a
+from ..random_projection import RandomFeatures
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["performer_attention_vjp", "uniform_call_vjp"]

@@ -1,0 +1,273 @@
+"""Validation of kernel, gated and random-feature attention: their option values, feature
+maps, gates, decoding states and projections.
+
+Every error names the argument and what is wrong with it, as in :mod:`._validate`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ._linear_state import LinearAttentionState
+from ._validate import (Problem, broadcast_batch, check_array, check_choice, check_flag,
+                        check_key_mask, check_positive_int, check_qkv,
+                        check_same_array_kind, check_seed)
+from ._xp import host_values, xp_from_host
+
+__all__ = ["CAUSAL_METHODS", "GATED_METHODS", "PROJECTIONS", "NORMS", "MAX_OMEGA_BYTES",
+           "check_eps", "check_kernel_options", "checked_maps", "check_state",
+           "check_gate", "check_decays", "check_initial_state", "checked_gated",
+           "check_gamma", "check_draw", "check_omega", "check_gerf_a"]
+
+#: The causal forms of kernel attention (equal to rounding).
+CAUSAL_METHODS = ("recurrent", "cumsum", "chunked")
+#: The forms of gated and delta-rule attention.
+GATED_METHODS = ("chunked", "recurrent")
+#: How a random projection is drawn, and its row lengths.
+PROJECTIONS = ("iid", "orthogonal", "identity")
+NORMS = ("chi", "fixed", "quasi")
+#: The largest projection drawn on the host (``m * d`` float64 values): more is a typo (an
+#: orthogonal draw of ``num_features=10**12`` would loop over ~1e10 QR blocks).
+MAX_OMEGA_BYTES = 1 << 33
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel attention
+# ---------------------------------------------------------------------------------------
+
+def check_eps(eps, xp, wd) -> float:
+    """``eps`` as a float; ``None`` is the smallest positive normal number of ``wd``."""
+    if eps is None:
+        return float(xp.finfo(wd).smallest_normal)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
+            math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0 or None; got {eps!r}")
+    return float(eps)
+
+
+def check_kernel_options(p: Problem, ref, key_mask, chunk_size, method, eps):
+    """The options :func:`feature_attention` and :func:`linear_attention` share, checked:
+    ``(chunk_size, method, eps)`` with ``method=None`` -> ``"chunked"`` and ``eps`` a float."""
+    check_key_mask(p, key_mask, ref)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    method = "chunked" if method is None else check_choice("method", method,
+                                                           CAUSAL_METHODS)
+    return chunk_size, method, check_eps(eps, p.xp, p.work_dtype)
+
+
+def checked_maps(fm, ref) -> tuple:
+    """The query and key maps of ``fm`` with their outputs checked: arrays of ``ref``'s
+    library, the rows and dtype kept, one width for both (a map returning something
+    else fails here, by name, not deep inside a product)."""
+    widths: dict = {}
+
+    def checked(f, which):
+        def phi(x):
+            out = f(x)
+            name = f"feature_map's {which} map output"
+            check_array(name, out, min_ndim=1)
+            check_same_array_kind(None, which + "s", ref, name, out)
+            if out.ndim != x.ndim or tuple(out.shape[:-1]) != tuple(x.shape[:-1]):
+                raise ValueError(
+                    f"feature_map's {which} map turned {which}s of shape {tuple(x.shape)} "
+                    f"into {tuple(out.shape)}; a map must act on the last axis only")
+            if out.dtype != x.dtype:
+                raise TypeError(f"feature_map's {which} map returned dtype {out.dtype} "
+                                f"for {which}s of dtype {x.dtype}")
+            widths[which] = out.shape[-1]
+            if widths.get("query", out.shape[-1]) != widths.get("key", out.shape[-1]):
+                raise ValueError(
+                    f"phi_k has d={widths['key']} but phi_q has d={widths['query']}: the "
+                    "feature map must give queries and keys the same number of features")
+            return out
+        return phi
+    return checked(fm.query, "query"), checked(fm.key, "key")
+
+
+def check_state(p: Problem, state, ref, m: int) -> tuple:
+    """Validate a state against features of dimension ``m``; returns the batch shape."""
+    if not isinstance(state, LinearAttentionState):
+        raise TypeError(f"state must be a LinearAttentionState; got {type(state).__name__}")
+    check_same_array_kind(p.xp, "phi_q", ref, "state.S", state.S)
+    if tuple(state.S.shape[-2:]) != (m, p.dv) or tuple(state.z.shape) != (
+            *state.S.shape[:-1],):
+        raise ValueError(
+            f"state has S {tuple(state.S.shape)} and z {tuple(state.z.shape)}, but the "
+            f"inputs need S (..., m, dv) = (..., {m}, {p.dv}) and z (..., {m})"
+        )
+    if state.S.dtype != p.work_dtype or state.z.dtype != p.work_dtype:
+        raise TypeError(
+            f"state is in {state.S.dtype} but inputs of dtype {p.dtype} are computed in "
+            f"{p.work_dtype}; make the state with that dtype"
+        )
+    return broadcast_batch([("inputs", p.batch), ("state", tuple(state.S.shape[:-2]))])
+
+
+# ---------------------------------------------------------------------------------------
+# Gated and delta-rule attention
+# ---------------------------------------------------------------------------------------
+
+def _broadcasts_to(lead: tuple, batch: tuple) -> bool:
+    return len(lead) <= len(batch) and all(
+        a in (1, b) for a, b in zip(reversed(lead), reversed(batch)))
+
+
+def check_gate(p: Problem, name: str, x, q, *, per_dim: bool):
+    """A real floating gate array ``(..., n)`` (``per_dim=False``) or ``(..., n, dk)``,
+    broadcastable to the batch; returned in the working dtype as ``(..., n, 1)`` or
+    ``(..., n, dk)``."""
+    check_array(name, x)
+    check_same_array_kind(p.xp, "q", q, name, x)
+    if not p.xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating dtype; got {x.dtype}")
+    tail = (p.n, p.d) if per_dim else (p.n,)
+    want = "(..., n, dk) = (..., %d, %d)" % tail if per_dim else f"(..., n) = (..., {p.n})"
+    lead = tuple(x.shape[:x.ndim - len(tail)])
+    if (x.ndim < len(tail) or tuple(x.shape[x.ndim - len(tail):]) != tail
+            or not _broadcasts_to(lead, p.batch)):
+        raise ValueError(f"{name} must have shape {want} broadcastable to the batch "
+                         f"{p.batch}; got shape {tuple(x.shape)}")
+    x = p.xp.astype(x, p.work_dtype, copy=False)
+    return x if per_dim else x[..., None]
+
+
+def check_decays(host, shown):
+    """Retention's decays must lie in ``(0, 1]`` (a NaN or a growth is refused here,
+    not turned into NaN outputs)."""
+    if not np.all((host > 0) & (host <= 1)):
+        bad = host[~((host > 0) & (host <= 1))].ravel()[:4]
+        raise ValueError(f"gamma must be decays in (0, 1]; got {shown!r} (entries such as "
+                         f"{bad.tolist()})")
+
+
+def check_initial_state(p: Problem, state, q):
+    """``initial_state (..., dk, dv)`` broadcast to ``(*batch, dk, dv)`` in the working
+    dtype; ``None`` is zeros."""
+    zeros = p.xp.zeros((*p.batch, p.d, p.dv), dtype=p.work_dtype, device=p.device)
+    if state is None:
+        return zeros
+    check_array("initial_state", state)
+    check_same_array_kind(p.xp, "q", q, "initial_state", state)
+    if not p.xp.isdtype(state.dtype, "real floating"):
+        raise TypeError(f"initial_state must have a real floating dtype (it is not cast); "
+                        f"got {state.dtype}")
+    if (state.ndim < 2 or tuple(state.shape[-2:]) != (p.d, p.dv)
+            or not _broadcasts_to(tuple(state.shape[:-2]), p.batch)):
+        raise ValueError(f"initial_state must have shape (..., dk, dv) broadcastable to the "
+                         f"batch: (*{p.batch}, {p.d}, {p.dv}); got shape "
+                         f"{tuple(state.shape)}")
+    try:
+        return zeros + p.xp.astype(state, p.work_dtype, copy=False)
+    except Exception as exc:   # a batch that does not broadcast
+        raise ValueError(f"initial_state of shape {tuple(state.shape)} does not broadcast "
+                         f"to (*batch, dk, dv) = {(*p.batch, p.d, p.dv)}: its leading axes "
+                         f"{tuple(state.shape[:-2])} must broadcast to the batch "
+                         f"{p.batch}") from exc
+
+
+def checked_gated(q, k, v, *, causal, key_mask, method, chunk_size, scale, initial_state,
+                  return_state, gates=()):
+    """The forward's checks (its backward's too): ``(p, method, chunk_size, return_state,
+    S_0, [gate ...])``, each of ``gates = ((name, array, per_dim), ...)`` checked first."""
+    p = check_qkv(q, k, v)
+    gates = [check_gate(p, name, x, q, per_dim=per_dim) for name, x, per_dim in gates]
+    if not check_flag("causal", causal):
+        raise ValueError("gated and delta-rule attention is causal (a recurrence over the "
+                         "tokens); causal=False is not defined")
+    if p.n != p.s:
+        raise ValueError(f"gated and delta-rule attention needs n == s (self-attention "
+                         f"over one sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    check_key_mask(p, key_mask, q)
+    method = check_choice("method", method, GATED_METHODS)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    return_state = check_flag("return_state", return_state)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(
+            scale, numbers.Real) or not np.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None; got {scale!r}")
+    return p, method, chunk_size, return_state, check_initial_state(p, initial_state, q), gates
+
+
+def check_gamma(p: Problem, gamma, q):
+    """Retention's decays, host numbers or an array ``(..., H)`` in ``(0, 1]``, as an array
+    in the working dtype (a device array of a few decays is read once, like a list)."""
+    xp = p.xp
+    if isinstance(gamma, (numbers.Real, list, tuple, np.ndarray)):   # host numbers
+        host = np.asarray(gamma)
+        if isinstance(gamma, bool) or host.dtype.kind not in "iuf":
+            raise TypeError(f"gamma must hold real numbers; got {gamma!r}")
+        host = host.astype(np.float64)
+        check_decays(host, gamma)
+        return xp_from_host(xp, host, dtype=p.work_dtype, device=p.device)
+    check_array("gamma", gamma)
+    check_same_array_kind(xp, "q", q, "gamma", gamma)
+    if not xp.isdtype(gamma.dtype, ("real floating", "integral")):
+        raise TypeError(f"gamma must hold real numbers; got dtype {gamma.dtype}")
+    host = host_values(gamma)
+    if host is not None:
+        check_decays(host, f"an array of shape {tuple(gamma.shape)}")
+    return xp.astype(gamma, p.work_dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Random features
+# ---------------------------------------------------------------------------------------
+
+def check_draw(d, m, projection, norms, seed) -> tuple:
+    """The arguments of :meth:`RandomFeatures.draw`, checked: ``(d, m, seed)``."""
+    d = check_positive_int("d", d)
+    m = check_positive_int("m", m)
+    check_choice("projection", projection, PROJECTIONS)
+    check_choice("norms", norms, NORMS)
+    seed = check_seed(seed)
+    if m * d * 8 > MAX_OMEGA_BYTES:
+        raise ValueError(
+            f"num_features (m) = {m} rows of d = {d} need a {m * d * 8 / 2**30:.3g} GiB "
+            f"float64 host matrix (m, d); the limit is {MAX_OMEGA_BYTES / 2**30:g} GiB "
+            f"(MAX_OMEGA_BYTES): use fewer features")
+    if projection == "identity" and m != d:
+        raise ValueError(f"projection='identity' (no random projection) has m = d = "
+                         f"{d} rows; got m={m}")
+    return d, m, seed
+
+
+def check_omega(host):
+    """A caller's projection matrix on the host: real, 2-D ``(m, d)``, non-empty and
+    finite; returned as a new float64 array."""
+    if np.iscomplexobj(host) or not (np.issubdtype(host.dtype, np.floating)
+                                     or np.issubdtype(host.dtype, np.integer)):
+        raise TypeError(f"omega must be a real matrix; got dtype {host.dtype}")
+    host = np.array(host, dtype=np.float64, copy=True)
+    if host.ndim != 2 or host.shape[0] < 1 or host.shape[1] < 1:
+        raise ValueError(
+            f"omega must be a non-empty 2-D matrix (m, d); got shape {host.shape}")
+    if not np.isfinite(host).all():
+        raise ValueError("omega contains non-finite values")
+    return host
+
+
+def check_gerf_a(xp, kind, gerf_a, *, work_dtype, causal=False):
+    """FAVOR++'s ``gerf_a``: a float ``< 1/8`` or an array ``(..., 1, 1)`` in
+    ``work_dtype``; ``None`` for other kinds and for the inputs' optimal ``A*``
+    (non-causal only: it depends on every key)."""
+    if kind != "favor++":
+        if gerf_a is not None:
+            raise ValueError(f"gerf_a is only used with kind='favor++'; got kind={kind!r}")
+        return None
+    if gerf_a is None:
+        if causal:
+            raise ValueError(
+                "kind='favor++' cannot be causal with the data-dependent optimal A*: it "
+                "averages over every key, so a future key would change past outputs; pass "
+                "a fixed gerf_a= (e.g. from gerf_parameter on a calibration batch)")
+        return None
+    if isinstance(gerf_a, (int, float)) and not isinstance(gerf_a, bool):
+        if not gerf_a < 0.125:
+            raise ValueError(f"gerf_a must be < 1/8 (finite variance); got {gerf_a}")
+        return float(gerf_a)
+    arr = xp.astype(gerf_a, work_dtype)
+    if arr.ndim < 2 or tuple(arr.shape[-2:]) != (1, 1):
+        raise ValueError(f"gerf_a must be a float or an array (..., 1, 1); got shape "
+                         f"{tuple(arr.shape)}")
+    return arr
