@@ -75,13 +75,14 @@ def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, 
     if normalize_qk:
         with entry(xp):
             dq, dk = reference.unit_rows_vjp(rq, dq), reference.unit_rows_vjp(rk, dk)
-    dg = xp.where(valid, dg, 0.0)
+    # a gate of 0 (g = -inf) is a restart: d exp(g)/dg = 0 exactly (not a rounding of it)
+    dg = xp.where(valid & (g != -xp.inf), dg, 0.0)
     if key_mask is not None:
         dk, dv = reference.zero_masked_keys(km, dk, dv)
         dg = xp.where(km[..., None], dg, 0.0)
         dbeta = xp.where(km, dbeta, 0.0)
     out = {"q": dq, "k": dk, "v": dv, "beta": dbeta, "g": dg[..., 0], "initial_state": ds0}
-    out = reference.poison_prefix_grads(out, bad, p.n)
+    out = reference.poison_prefix_grads(out, bad, p.n, per_token=("beta", "g"))
     return {name: sum_to_shape(out[name], x.shape) for name, x in args.items()}
 
 

@@ -70,18 +70,36 @@ def poisoned_logits(x, bad):
     return xp.where(bad[..., None, :], xp.nan, x)
 
 
-def poison_prefix_grads(grads: dict, bad, n: int, *, queries=("q",)) -> dict:
+def poison_prefix_grads(grads: dict, bad, n: int, *, queries=("q",),
+                        per_token=("beta", "gate")) -> dict:
     """The gradients of a causal call whose tokens ``bad (..., s)`` were dropped, as
     autodiff of the NaN rows gives them: a query-side gradient ``(..., n, c)`` NaN in the
     rows that see a bad token; every other gradient NaN in full for a batch element that
-    has one (the last row sees every key, and it is NaN).  Earlier rows keep theirs."""
+    has one (the last row sees every key, and it is NaN).  Earlier rows keep theirs.
+    Gradients are ``(*batch, ., .)`` but those named in ``per_token``, ``(*batch, n)``;
+    a batch broadcast in the argument (shared over heads, say) is NaN where any of the
+    elements it serves has a bad token."""
     xp = array_namespace(bad)
     seen, anywhere = seen_by_prefix(bad, n), xp.any(bad, axis=-1)
     out = {}
     for name, g in grads.items():
         if name in queries:
             out[name] = poison_rows(g, seen)
-        else:
-            flag = xp.reshape(anywhere, (*anywhere.shape, *(1,) * (g.ndim - anywhere.ndim)))
-            out[name] = xp.where(flag, xp.nan, g)
+            continue
+        event = 1 if name in per_token else 2
+        flag = _flag_for(anywhere, tuple(g.shape[:g.ndim - event]))
+        out[name] = xp.where(xp.reshape(flag, (*flag.shape, *(1,) * event)), xp.nan, g)
     return out
+
+
+def _flag_for(anywhere, batch: tuple):
+    """``anywhere (*B)`` reduced (any) onto a gradient's batch shape ``batch``: leading
+    axes it lacks and axes where it has size 1."""
+    xp = array_namespace(anywhere)
+    lead = anywhere.ndim - len(batch)
+    if lead > 0:
+        anywhere = xp.any(anywhere, axis=tuple(range(lead)))
+    elif lead < 0:
+        anywhere = xp.reshape(anywhere, (*(1,) * -lead, *anywhere.shape))
+    axes = tuple(i for i, (a, b) in enumerate(zip(anywhere.shape, batch)) if b == 1 != a)
+    return xp.any(anywhere, axis=axes, keepdims=True) if axes else anywhere
