@@ -1,21 +1,5 @@
 r"""The gradient referee: another implementation's gradients against :func:`arrayattn.vjp`
-in float64, per head and per argument.
-
-Two rules set the tolerance of each head of each gradient:
-
-* ``"float64"`` (the default for float32 and float64 gradients): as for outputs
-  (:func:`arrayattn.testing.compare_to_reference`), ``8 max(e, eps |R|_inf)`` with ``e``
-  arrayattn's own gradient error in the working precision (float32, or float64) on inputs
-  perturbed by one unit roundoff;
-* ``"same-dtype"`` (the default for float16 / bfloat16 gradients): FlashAttention's rule --
-  the kernel's error against the float64 reference may be at most ``factor`` (2) times
-  the error of the reference itself computed at the inputs' precision.  That reference
-  takes the inputs (and ``do``) rounded to the dtype, computes in float32 (as every
-  fused kernel accumulates) and rounds each gradient to the dtype once; intermediates are
-  *not* rounded to the half dtype, so this baseline is at most as large as that of a
-  reference written with every operation in the half dtype (FlashAttention's
-  ``attention_ref(upcast=False)``): the rule is the stricter one.
-"""
+in float64, per head and per argument."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +13,7 @@ from .problem import to_bhnd
 
 __all__ = ["compare_grads", "assert_grads_match", "round_to", "GradComparison", "RULES"]
 
-#: The tolerance rules (see the module docstring).
+#: The tolerance rules (see :func:`compare_grads`).
 RULES = ("float64", "same-dtype")
 
 _HALF = ("float16", "bfloat16")
@@ -110,7 +94,7 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     layout : {"bhnd", "bnhd"}, optional
         Axis order of q, k, v, do and their gradients (default ``"bhnd"``).
     rule : {"float64", "same-dtype"}, optional
-        The tolerance rule (module docstring); default by the gradients' dtype.
+        The tolerance rule (Notes); default by the gradients' dtype.
     factor : float
         The multiple of the ``same-dtype`` rule (FlashAttention's tests use 2).
     **params
@@ -119,6 +103,23 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     Returns
     -------
     GradComparison
+
+    Notes
+    -----
+    Two rules set the tolerance of each head of each gradient:
+
+    * ``"float64"`` (the default for float32 and float64 gradients): as for outputs
+      (:func:`arrayattn.testing.compare_to_reference`), ``8 max(e, eps |R|_inf)`` with ``e``
+      arrayattn's own gradient error in the working precision (float32, or float64) on inputs
+      perturbed by one unit roundoff;
+    * ``"same-dtype"`` (the default for float16 / bfloat16 gradients): FlashAttention's rule --
+      the kernel's error against the float64 reference may be at most ``factor`` (2) times
+      the error of the reference itself computed at the inputs' precision.  That reference
+      takes the inputs (and ``do``) rounded to the dtype, computes in float32 (as every
+      fused kernel accumulates) and rounds each gradient to the dtype once; intermediates are
+      *not* rounded to the half dtype, so this baseline is at most as large as that of a
+      reference written with every operation in the half dtype (FlashAttention's
+      ``attention_ref(upcast=False)``): the rule is the stricter one.
 
     Examples
     --------
