@@ -161,11 +161,11 @@ def prepare_flex_attention(q, k, v, params) -> Prepared:
 
 SDPA = Profile(
     "sdpa", "torch.nn.functional.scaled_dot_product_attention", "bhnd",
-    "attn_mask (bool, or float 0/-inf), is_causal, scale, enable_gqa, dropout_p=0",
+    "attn_mask (bool, or float: an additive bias), is_causal, scale, enable_gqa, dropout_p=0",
     "is_causal is top-left aligned (query i sees keys j <= i), reproduced by an "
     "explicit mask; GQA repeats each key/value head over consecutive query heads, "
-    "reproduced; a float attn_mask other than 0/-inf is an additive bias, not "
-    "reproducible yet.", prepare_sdpa)
+    "reproduced; a float attn_mask is an additive logit bias, passed as bias= "
+    "(-inf entries mask).", prepare_sdpa)
 
 FLASH_ATTN = Profile(
     "flash_attn", "flash-attn flash_attn_func, flash_attn_varlen_func, "
