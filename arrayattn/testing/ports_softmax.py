@@ -9,7 +9,7 @@ from .measures import is_array
 from .records import Prepared, Profile, repeat_kv_heads, take_options
 
 __all__ = ["SDPA", "FLASH_ATTN", "FLEX_ATTENTION", "prepare_sdpa", "prepare_flash_attn",
-           "prepare_flex_attention", "window_pair", "flash_alibi_lse_shift"]
+           "prepare_flex_attention", "window_pair", "flash_alibi_lse_shift", "FLASH_OPTIONS"]
 
 
 def prepare_sdpa(q, k, v, params) -> Prepared:
