@@ -15,7 +15,6 @@ import zipfile
 
 REQUIRED = ("q", "k", "v", "out")
 
-
 __all__ = ["UsageError", "parse_option", "load_npz", "run_validate", "main"]
 
 #: Largest array an .npz file may claim (its header is read before the array).
@@ -55,8 +54,18 @@ def parse_option(text: str):
     return key, raw
 
 
-def load_npz(path: str) -> dict:
-    """The arrays of ``path`` (an ``.npz`` with at least q, k, v, out); UsageError if not."""
+_SAVE = "save with numpy.savez(path, q=q, k=k, v=v, out=out)"
+#: File arrays that must hold integers (offsets, page indices, lengths) or booleans; every
+#: array keeps its dtype (an integer array is never converted to floating).
+KINDS = {"cu_seqlens_q": "iu", "cu_seqlens_k": "iu", "block_table": "iu",
+         "cache_seqlens": "iu", "dropout_mask": "b"}
+#: Options that are arrays: they come from the file, never from ``--option``.
+ARRAY_OPTIONS = ("key_mask", "mask", "bias", "query_mask", "omega", "e", "f",
+                 "alibi_slopes", *KINDS)
+
+
+def _read_npz(path: str) -> dict:
+    """Every array of the ``.npz`` file ``path``, as saved; UsageError if it is none."""
     import numpy as np
 
     try:
@@ -65,19 +74,16 @@ def load_npz(path: str) -> dict:
     except OSError as exc:
         raise UsageError(f"{path}: cannot open ({exc.strerror or exc})") from None
     if magic == b"\x93NUMPY":
-        raise UsageError(f"{path} is a single .npy array, not an .npz archive; save with "
-                         "numpy.savez(path, q=q, k=k, v=v, out=out)")
+        raise UsageError(f"{path} is a single .npy array, not an .npz archive; {_SAVE}")
     if not magic.startswith(b"PK"):
-        raise UsageError(f"{path} is not an .npz file (no zip signature at its start); "
-                         "save with numpy.savez(path, q=q, k=k, v=v, out=out)")
+        raise UsageError(f"{path} is not an .npz file (no zip signature at its start); {_SAVE}")
     try:
         data = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise UsageError(f"{path} is not a readable .npz file ({type(exc).__name__}: "
                          f"{exc})") from None
     if not isinstance(data, np.lib.npyio.NpzFile):
-        raise UsageError(f"{path} is a single .npy array, not an .npz archive; save with "
-                         "numpy.savez(path, q=q, k=k, v=v, out=out)")
+        raise UsageError(f"{path} is a single .npy array, not an .npz archive; {_SAVE}")
     try:
         for name in data.files:     # sizes from the headers, before anything is loaded
             with data.zip.open(name + ".npy") as member:
@@ -90,7 +96,7 @@ def load_npz(path: str) -> dict:
                 raise UsageError(f"{path}: {name} claims shape {shape} of {dtype} "
                                  f"({size / 2**30:.3g} GiB), more than the {MAX_BYTES / 2**30:.0f} "
                                  "GiB a validation here may load")
-        arrays = {name: data[name] for name in data.files}
+        return {name: data[name] for name in data.files}
     except MemoryError:
         raise UsageError(f"{path}: its arrays do not fit in memory") from None
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
@@ -98,6 +104,12 @@ def load_npz(path: str) -> dict:
                          f"{exc})") from None
     finally:
         data.close()
+
+
+def load_npz(path: str) -> dict:
+    """The arrays of ``path`` (an ``.npz`` with at least q, k, v, out), each in its saved
+    dtype; UsageError if not, or if an array named in :data:`KINDS` has another kind."""
+    arrays = _read_npz(path)
     missing = [name for name in REQUIRED if name not in arrays]
     if missing:
         raise UsageError(f"{path} lacks array(s) {', '.join(missing)}; it holds "
@@ -110,77 +122,85 @@ def load_npz(path: str) -> dict:
         if a.ndim < 2:
             raise UsageError(f"{path}: {name} must have shape (..., tokens, features); got "
                              f"{a.shape}")
+    for name in sorted(set(KINDS) & set(arrays)):
+        if arrays[name].dtype.kind not in KINDS[name]:
+            what = "a boolean" if KINDS[name] == "b" else "an integer"
+            raise UsageError(f"{path}: {name} must be {what} array; got dtype "
+                             f"{arrays[name].dtype}")
     return arrays
 
 
-def _split_training(arrays: dict) -> tuple[dict, dict]:
-    """``(kernel arrays, the rest)``: ``do``, the gradients ``dq``, ``dk``, ``dv`` and
-    ``d<name>`` of another array ``<name>`` of the file, and ``lse``."""
-    names = {"q", "k", "v"} | set(arrays)
-    training = {key: a for key, a in arrays.items()
-                if key in ("do", "lse") or (key.startswith("d") and key[1:] in names)}
-    return training, {key: a for key, a in arrays.items() if key not in training}
-
-
-def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
-                 err=None, layout=None, profile=None, rule=None, factor=2.0) -> int:
-    """The ``validate`` command: print the per-head table and the verdict; exit code."""
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
+def _check_flags(variant, profile, options, rtol, factor) -> tuple:
+    """``(the registry record or None, the --option values)``; UsageError on bad flags."""
     from .registry import get_variant
+
+    if variant is None and profile is None:
+        raise UsageError("give --variant, or --profile (which names the variant)")
+    for flag, value in (("--rtol", rtol), ("--factor", factor)):
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise UsageError(f"{flag} must be a finite number >= 0; got {value}")
+    rec = None if variant is None else get_variant(variant)
+    params = dict(parse_option(o) for o in options)
+    for key in ARRAY_OPTIONS:
+        if params.get(key) is not None:
+            raise UsageError(f"--option {key}=... gives a {type(params[key]).__name__}; "
+                             f"{key} is an array: store it in the .npz file instead")
+    for key, val in params.items():
+        if isinstance(val, (int, float)) and not isinstance(val, bool) \
+                and abs(val) > MAX_OPTION:
+            raise UsageError(f"--option {key}={val} is larger than any attention "
+                             f"computation here could use (limit {MAX_OPTION:.0e})")
+    return rec, params
+
+
+def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
+    """``(q, k, v, out; do, gradients, lse; the options)`` of the file, its other arrays
+    joined to ``params``; UsageError on a file that does not fit the flags.  Judged apart
+    from ``out``: ``do``, ``lse`` and ``d<name>`` of an array ``<name>`` of the file."""
+    arrays = load_npz(path)
+    training = {key: arrays.pop(key) for key in list(arrays) if key in ("do", "lse") or (
+        key.startswith("d") and key[1:] in arrays)}
+    grads = [key for key in training if key not in ("do", "lse")]
+    if grads and "do" not in training:
+        raise UsageError(f"{path} holds gradient(s) {', '.join(grads)} but no 'do' (the "
+                         "output cotangent they were computed with)")
+    if grads and profile is not None:
+        raise UsageError("gradients are judged with --variant and the variant's own option "
+                         "names, not with a --profile")
+    extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
+    clash = sorted(set(extra) & set(params))
+    if clash:
+        raise UsageError(f"option(s) {', '.join(clash)} given both in {path} and with "
+                         "--option")
+    if rec is not None and rec.random and not extra and profile is None:
+        print(f"note: {rec.name} is random and {path} holds no random matrix; the "
+              "reference draws its own from the seed option", file=err)
+    return arrays, training, {**params, **extra}
+
+
+def _compare(path, rec, arrays, params, rtol, layout, profile):
+    """The output's :class:`~arrayattn.testing.Comparison`; UsageError when the reference
+    cannot run on the file (shapes, dtypes, options it rejects, or anything it raised)."""
     from .testing import compare_to_reference
+    from .testing.hints import layout_hint
 
     try:
-        if variant is None and profile is None:
-            raise UsageError("give --variant, or --profile (which names the variant)")
-        for flag, value in (("--rtol", rtol), ("--factor", factor)):
-            if value is not None and not (value >= 0 and math.isfinite(value)):
-                raise UsageError(f"{flag} must be a finite number >= 0; got {value}")
-        rec = None if variant is None else get_variant(variant)
-        params = dict(parse_option(o) for o in options)
-        for key in ("key_mask", "mask", "bias", "query_mask", "omega", "e", "f"):
-            if params.get(key) is not None:
-                raise UsageError(f"--option {key}=... gives a {type(params[key]).__name__}; "
-                                 f"{key} is an array: store it in the .npz file instead")
-        for key, val in params.items():
-            if isinstance(val, (int, float)) and not isinstance(val, bool) \
-                    and abs(val) > MAX_OPTION:
-                raise UsageError(f"--option {key}={val} is larger than any attention "
-                                 f"computation here could use (limit {MAX_OPTION:.0e})")
-        arrays = load_npz(path)
-        training, arrays = _split_training(arrays)
-        grads = {key[1:]: a for key, a in training.items() if key != "do" and key != "lse"}
-        if grads and "do" not in training:
-            raise UsageError(f"{path} holds gradient(s) {', '.join('d' + g for g in grads)} "
-                             "but no 'do' (the output cotangent they were computed with)")
-        if (grads or "lse" in training) and profile is not None:
-            raise UsageError("gradients and lse are judged with --variant and the variant's "
-                             "own option names, not with a --profile")
-        extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
-        clash = sorted(set(extra) & set(params))
-        if clash:
-            raise UsageError(f"option(s) {', '.join(clash)} given both in {path} and with "
-                             "--option")
-        params.update(extra)
-        if rec is not None and rec.random and not extra and profile is None:
-            print(f"note: {rec.name} is random and {path} holds no random matrix; the "
-                  "reference draws its own from the seed option", file=err)
-        try:
-            c = compare_to_reference(arrays["out"], rec, arrays["q"], arrays["k"],
-                                     arrays["v"], rtol=rtol, layout=layout,
-                                     profile=profile, **params)
-        except (ValueError, TypeError) as exc:  # shapes, dtypes, options the variant rejects
-            hint = _layout_hint(rec, arrays, params, rtol, layout, profile)
-            raise UsageError(f"{path}: {exc}" + (f"\n{hint}" if hint else "")) from None
-        except Exception as exc:  # anything else the reference raised on these inputs
-            raise UsageError(f"{path}: the reference {_c_name(rec, profile)} raised "
-                             f"{type(exc).__name__}: {exc}") from None
-    except UsageError as exc:
-        print(f"arrayattn validate: error: {exc}", file=err)
-        return 2
-    except ValueError as exc:  # unknown variant
-        print(f"arrayattn validate: error: {exc}", file=err)
-        return 2
+        return compare_to_reference(arrays["out"], rec, arrays["q"], arrays["k"],
+                                    arrays["v"], rtol=rtol, layout=layout, profile=profile,
+                                    **params)
+    except (ValueError, TypeError) as exc:  # shapes, dtypes, options the variant rejects
+        hint = layout_hint(rec, arrays, params, rtol, layout, profile)
+        raise UsageError(f"{path}: {exc}" + (f"\n{hint}" if hint else "")) from None
+    except Exception as exc:  # anything else the reference raised on these inputs
+        name = rec.name if rec is not None else f"of profile {profile}"
+        raise UsageError(f"{path}: the reference {name} raised "
+                         f"{type(exc).__name__}: {exc}") from None
+
+
+def _print_output_verdict(path, c, rec, arrays, params, *, rtol, layout, profile, out, err):
+    """The problem line, the per-head table, the notes, a hint on a mismatch, the verdict."""
+    from .testing.hints import layout_hint, top_left_hint
+
     shown = {key: (f"array{tuple(val.shape)}" if hasattr(val, "shape") else val)
              for key, val in params.items()}
     print(f"{path}: {c.variant}"
@@ -193,109 +213,58 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
     for note in c.notes:
         print(f"note: {note}", file=err)
     if not c.ok:
-        hint = (_top_left_hint(c, arrays, params, rtol, layout, profile)
-                or _layout_hint(rec, arrays, params, rtol, layout, profile))
+        hint = (top_left_hint(c, arrays, params, rtol, layout, profile)
+                or layout_hint(rec, arrays, params, rtol, layout, profile))
         if hint:
             print(hint, file=out)
     print(c.verdict(), file=out)
-    ok = c.ok
+
+
+def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
+                 err=None, layout=None, profile=None, rule=None, factor=2.0) -> int:
+    """The ``validate`` command: print the per-head table and the verdict; exit code."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     try:
-        ok = _judge_training(path, training, rec, arrays, params, rtol=rtol, layout=layout,
-                             rule=rule, factor=factor, out=out) and ok
+        rec, params = _check_flags(variant, profile, options, rtol, factor)
+        arrays, training, params = _read_problem(path, rec, profile, params, err)
+        c = _compare(path, rec, arrays, params, rtol, layout, profile)
+    except (UsageError, ValueError) as exc:  # ValueError: an unknown variant or profile
+        print(f"arrayattn validate: error: {exc}", file=err)
+        return 2
+    _print_output_verdict(path, c, rec, arrays, params, rtol=rtol, layout=layout,
+                          profile=profile, out=out, err=err)
+    try:
+        ok = _judge_training(training, rec, arrays, params, rtol=rtol, layout=layout,
+                             profile=profile, rule=rule, factor=factor, out=out) and c.ok
     except (ValueError, TypeError) as exc:
         print(f"arrayattn validate: error: {path}: {exc}", file=err)
         return 2
     return 0 if ok else 1
 
 
-def _judge_training(path, training, rec, arrays, params, *, rtol, layout, rule, factor,
+def _judge_training(training, rec, arrays, params, *, rtol, layout, profile, rule, factor,
                     out) -> bool:
     """The gradient verdicts (``do`` and ``d<name>`` in the file) and the ``lse`` verdict;
     True when every one matches (or there is nothing to judge)."""
-    from .grad_testing import compare_grads, compare_lse
+    from .testing import compare_grads, compare_lse
 
     ok = True
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
     grads = {key[1:]: a for key, a in training.items() if key not in ("do", "lse")}
     if grads:
-        gc = compare_grads(grads, rec, arrays["q"], arrays["k"], arrays["v"], training["do"],
-                           rtol=rtol, layout=layout, rule=rule, factor=factor, **params)
+        gc = compare_grads(grads, rec, q, k, v, training["do"], rtol=rtol, layout=layout,
+                           rule=rule, factor=factor, **params)
         print(gc.table(), file=out)
         print(gc.verdict(), file=out)
         ok = ok and gc.ok
     if "lse" in training:
-        lc = compare_lse(training["lse"], rec, arrays["q"], arrays["k"], arrays["v"],
-                         rtol=rtol, layout=layout, **params)
+        lc = compare_lse(training["lse"], rec, q, k, v, rtol=rtol, layout=layout,
+                         profile=profile, **params)
         print("lse:\n" + lc.table(), file=out)
-        print(lc.verdict().replace("MATCH: ", "LSE MATCH: ", 1) if lc.ok else
-              lc.verdict().replace("MISMATCH: ", "LSE MISMATCH: ", 1), file=out)
+        print("LSE " + lc.verdict(), file=out)
         ok = ok and lc.ok
     return ok
-
-
-def _top_left_hint(c, arrays, params, rtol, layout, profile):
-    """A causal mismatch with ``n != s`` that matches with top-left alignment (torch
-    SDPA's ``is_causal``: query ``i`` sees keys ``j <= i``) says so."""
-    import numpy as np
-
-    from .testing import compare_to_reference
-
-    q, k = arrays["q"], arrays["k"]
-    n, s = (q.shape[-3], k.shape[-3]) if layout == "bnhd" else (q.shape[-2], k.shape[-2])
-    if profile is not None or params.get("causal") is not True or n == s or "mask" in params:
-        return ""
-    top_left = np.arange(s)[None, :] <= np.arange(n)[:, None]
-    try:
-        alt = compare_to_reference(arrays["out"], c.variant, q, k, arrays["v"], rtol=rtol,
-                                   layout=layout, **{**params, "causal": False,
-                                                     "mask": top_left})
-    except Exception:  # the variant takes no mask: no hint
-        return ""
-    if not alt.ok:
-        return ""
-    return ("hint: this output MATCHES with top-left causal alignment (query i sees keys "
-            "j <= i, as torch SDPA's is_causal); arrayattn aligns causal masks at the end "
-            "(j <= i + s - n, as FlashAttention-2). Validate with --profile sdpa, or pass "
-            "the top-left mask in the .npz as mask=")
-
-
-_WORDS = {"bhnd": "(batch, heads, tokens, dim)", "bnhd": "(batch, tokens, heads, dim)"}
-
-
-def _layout_hint(rec, arrays, params, rtol, layout, profile) -> str:
-    """A mismatch (or an ``out`` of the wrong shape) that matches with the tokens and heads
-    axes swapped -- in all four arrays (the other ``--layout``) or in ``out`` alone --
-    says so."""
-    import numpy as np
-
-    from .testing import compare_to_reference, get_profile
-
-    q, k, v, o = (arrays[name] for name in REQUIRED)
-    if min(a.ndim for a in (q, k, v, o)) < 3:
-        return ""
-    axes = "axes 1 and 2" if o.ndim == 4 else "axes -3 and -2"
-    cur = layout or (get_profile(profile).layout if profile is not None else "bhnd")
-    other = "bnhd" if cur == "bhnd" else "bhnd"
-    tries = (
-        (other, o, f"hint: the output matches with {axes} swapped in q, k, v and out: "
-                   f"pass --layout {other} (arrays as {_WORDS[other]})"),
-        (cur, np.swapaxes(o, -3, -2),
-         f"hint: out matches with its {axes} swapped: q, k, v are read as {_WORDS[cur]} "
-         f"but out is {_WORDS[other]}; save out with those axes swapped (torch: "
-         "out.transpose(1, 2)) so that all four share one layout"),
-    )
-    for lay, out, text in tries:
-        try:
-            alt = compare_to_reference(out, rec, q, k, v, rtol=rtol, layout=lay,
-                                       profile=profile, **params)
-        except Exception:  # not even the shapes fit: no hint
-            continue
-        if alt.ok:
-            return text
-    return ""
-
-
-def _c_name(rec, profile) -> str:
-    return rec.name if rec is not None else f"of profile {profile}"
 
 
 def _validate(args) -> int:
@@ -380,21 +349,16 @@ def _report(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="arrayattn", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.replace("``", ""))
-    sub = parser.add_subparsers(dest="command", required=True)
+def _report_parser(sub):
     rep = sub.add_parser(
         "report", help="run every registered variant on a default workload",
         description="Run every registered variant on a built-in workload (q, k, v of shape "
-        "(batch, heads, n, d), in a 'gaussian' case, a 'sharp' case: q, k rows of "
-        "norm 8, each query aligned with one key, and a 'real' case: 36 heads of "
-        "all-MiniLM-L6-v2 on 256 tokens) and print one row per variant and case: "
-        "relative error of the output vs "
-        "exact float64 attention, max row L1 error of the implied matrix (first head, "
-        "n <= 2048), worst row-sum deviation, median time, peak memory, approximation "
-        "parameter.")
+        "(batch, heads, n, d), in a 'gaussian' case, a 'sharp' case: q, k rows of norm 8, "
+        "each query aligned with one key, and a 'real' case: 36 heads of all-MiniLM-L6-v2 "
+        "on 256 tokens) and print one row per variant and case: relative error of the "
+        "output vs exact float64 attention, max row L1 error of the implied matrix (first "
+        "head, n <= 2048), worst row-sum deviation, median time, peak memory, "
+        "approximation parameter.")
     from ._backends import BACKENDS, DTYPES
     rep.add_argument("--backend", default="numpy", choices=BACKENDS)
     rep.add_argument("--n", type=int, default=1024, help="tokens (n = s); default 1024")
@@ -412,31 +376,42 @@ def main(argv=None) -> int:
                      "and time vs n (needs matplotlib)")
     rep.add_argument("--quiet", action="store_true", help="no progress bar")
     rep.set_defaults(func=_report)
+    return rep
+
+
+def _validate_parser(sub):
+    from .testing import LAYOUTS, PROFILES
+
     val = sub.add_parser(
         "validate", help="compare another implementation's output with the reference",
         description="Compare the array 'out' of FILE.npz with arrayattn's float64 reference "
         "of VARIANT on the file's q, k, v, per head. When the file holds 'do' (the output "
         "cotangent) and any of dq, dk, dv or d<name> of another of its arrays, the "
         "gradients are judged too (arrayattn.vjp), and 'lse' (the log-sum-exp, shape "
-        "(..., heads, n)) when present. Other arrays in the file (random "
-        "matrices such as omega, e, f; masks) are passed as options of the same name. "
+        "(..., heads, n); FlashAttention's (b, h, n)) when present. Other arrays in the "
+        "file (random matrices such as omega, e, f; masks; alibi_slopes; dropout_mask, the "
+        "boolean keep-mask; the integer cu_seqlens_q, cu_seqlens_k of packed sequences) "
+        "are passed as options of the same name. A file with the integer arrays "
+        "block_table (b, max_blocks) and cache_seqlens (b,) is a paged KV cache, judged "
+        "against arrayattn.paged_attention: its k and v are then the caches (num_blocks, "
+        "page, h_kv, d), whatever --layout says of q and out. "
         "Exit 0 match, 1 mismatch, 2 usage error or malformed file.")
     val.add_argument("file", metavar="FILE.npz")
     val.add_argument("--variant", default=None, help="registry name (arrayattn report "
                      "lists them); optional with --profile")
     val.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="a scalar option of the variant (int, float, true/false, none or "
-                     "a string); repeat for several")
+                     "a string such as window_size=-1,0); repeat for several")
     val.add_argument("--rtol", type=float, default=None,
                      help="override the derived tolerance: max-abs error per head "
                      "relative to the head's largest reference entry")
-    from .testing import LAYOUTS, PROFILES
     val.add_argument("--layout", choices=LAYOUTS, default=None,
                      help="axis order of q, k, v, out: bhnd (..., heads, tokens, dim; "
                      "default) or bnhd (batch, tokens, heads, dim: fla, flash-attn)")
     val.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                     help="a port's conventions (docs/validating.rst); --option then takes "
-                     "the port's own options")
+                     help="a port's conventions (docs/validating.rst): flash_attn "
+                     "(FlashAttention's option names and defaults, layout bnhd), "
+                     "flex_attention, sdpa, ...; --option then takes the port's own options")
     val.add_argument("--rule", choices=("float64", "same-dtype"), default=None,
                      help="tolerance rule of the gradients: float64 (8x arrayattn's own "
                      "float32 error; the default for float32/float64 files) or same-dtype "
@@ -445,15 +420,30 @@ def main(argv=None) -> int:
     val.add_argument("--factor", type=float, default=2.0,
                      help="the multiple of the same-dtype rule (default 2)")
     val.set_defaults(func=_validate)
-    # A mistyped flag after the subcommand is reported with that subcommand's usage (plain
-    # parse_args would print the top-level one, which lists no flag of the subcommand).
+    return val
+
+
+def _parse(parser, subs: dict, argv):
+    """The parsed arguments.  A mistyped flag after the subcommand is reported with that
+    subcommand's usage (plain parse_args would print the top-level one, which lists no
+    flag of the subcommand)."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         words = list(sys.argv[1:] if argv is None else argv)
         before = words[:words.index(args.command)] if args.command in words else []
-        owner = parser if set(unknown) & set(before) else {"report": rep,
-                                                           "validate": val}[args.command]
+        owner = parser if set(unknown) & set(before) else subs[args.command]
         owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def main(argv=None) -> int:
+    """The ``arrayattn`` command: parse ``argv`` and run the subcommand; its exit code."""
+    parser = argparse.ArgumentParser(
+        prog="arrayattn", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.replace("``", ""))
+    sub = parser.add_subparsers(dest="command", required=True)
+    subs = {"report": _report_parser(sub), "validate": _validate_parser(sub)}
+    args = _parse(parser, subs, argv)
     return args.func(args)
 
 

@@ -1,0 +1,113 @@
+"""Per-head errors, the rounding baseline and the derived tolerance that the output,
+gradient and log-sum-exp referees share."""
+from __future__ import annotations
+
+import numpy as np
+
+from .._xp import to_numpy
+
+__all__ = ["EPS", "TOLERANCE_FACTOR", "dtype_name", "is_array", "host64", "working_dtype",
+           "cast_floating", "Nudge", "HeadErrors", "head_errors", "own_head_error",
+           "derived_tolerance"]
+
+#: Machine epsilon of the floating dtypes an external output may have.
+EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23,
+       "float64": 2.0 ** -52}
+
+#: Safety factor between arrayattn's own rounding error and the tolerance (see
+#: :func:`arrayattn.testing.compare_to_reference`).
+TOLERANCE_FACTOR = 8.0
+
+
+def dtype_name(x) -> str:
+    """``"float32"`` for a float32 array of any library."""
+    return str(x.dtype).split(".")[-1]
+
+
+def is_array(x) -> bool:
+    """Whether ``x`` is an array (of any library), not a scalar option or a string."""
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (str, bytes))
+
+
+def host64(x) -> np.ndarray:
+    """A host copy of ``x``: floating arrays as float64, others (masks, indices) as they are."""
+    h = np.asarray(to_numpy(x))
+    return h.astype(np.float64) if h.dtype.kind == "f" else h
+
+
+def working_dtype(dtype: str) -> str:
+    """The precision arrayattn computes a ``dtype`` result in: float64, else float32 (float16
+    and bfloat16 are computed in float32, as every variant and every fused kernel does)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def cast_floating(options: dict, dtype: str, convert=None) -> dict:
+    """``options`` with every floating array cast to ``dtype`` (masks and indices kept), each
+    passed through ``convert`` first when given (a perturbation)."""
+    def cast(val):
+        if not (is_array(val) and val.dtype.kind == "f"):
+            return val
+        return (val if convert is None else convert(val)).astype(dtype)
+    return {key: cast(val) for key, val in options.items()}
+
+
+class Nudge:
+    """A random relative perturbation of one unit roundoff of ``work``: ``x (1 +- u)``,
+    signs drawn from a fixed seed so that the tolerance is reproducible."""
+
+    def __init__(self, work: str, seed: int = 0):
+        self.u, self.rng = EPS[work] / 2, np.random.default_rng(seed)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x * (1.0 + self.u * self.rng.choice([-1.0, 1.0], size=x.shape))
+
+
+class HeadErrors:
+    """The per-head error of an array ``(..., *event)`` against its reference: ``heads``
+    (index tuples of the leading dimensions), ``max_abs``, ``worst`` (the position of the
+    largest error, as ``(row, column)``) and ``scale`` (the largest finite reference entry)."""
+
+    def __init__(self, heads, max_abs, worst, scale):
+        self.heads, self.max_abs, self.worst, self.scale = heads, max_abs, worst, scale
+
+
+def _blocks(a: np.ndarray, count: int) -> np.ndarray:
+    return np.asarray(a).reshape(count, -1)
+
+
+def head_errors(err: np.ndarray, ref: np.ndarray, event: int = 2) -> HeadErrors:
+    """Per head, from the elementwise error ``err`` (a NaN counts as infinite) of an array
+    whose trailing ``event`` dimensions are one head; fewer dimensions: one head."""
+    err = np.where(np.isnan(err), np.inf, err)
+    lead = ref.shape[:-event] if ref.ndim >= event else ()
+    shape = (1,) * (event - ref.ndim) + ref.shape[len(lead):]
+    heads = [tuple(int(i) for i in idx) for idx in np.ndindex(*lead)] or [()]
+    flat = _blocks(err, len(heads))
+    max_abs = flat.max(axis=1, initial=0.0)
+    arg = flat.argmax(axis=1) if flat.shape[1] else np.zeros(len(heads), int)
+    worst = [(tuple(int(t) for t in np.unravel_index(int(a), shape)) + (0, 0))[:2]
+             for a in arg]
+    finite = np.where(np.isfinite(ref), np.abs(ref), 0.0)
+    return HeadErrors(heads, max_abs, worst, _blocks(finite, len(heads)).max(axis=1,
+                                                                                initial=0.0))
+
+
+def own_head_error(own: np.ndarray, ref: np.ndarray, count: int) -> tuple[np.ndarray, bool]:
+    """Per head, arrayattn's own error ``max |own - ref|`` over the positions where the
+    reference is finite, and whether every head's is finite (a head whose is not gets 0: its
+    tolerance then rests on the rounding floor alone)."""
+    seen = np.isfinite(ref)
+    with np.errstate(invalid="ignore"):
+        diff = np.where(seen, np.abs(own - np.where(seen, ref, 0.0)), 0.0)
+    err = _blocks(diff, count).max(axis=1, initial=0.0)
+    finite = np.isfinite(err)
+    return np.where(finite, err, 0.0), bool(finite.all())
+
+
+def derived_tolerance(errors: HeadErrors, own_error: np.ndarray, dtype: str, *, rtol, atol,
+                      factor: float = TOLERANCE_FACTOR) -> np.ndarray:
+    r"""Per head ``factor * max(e_h, eps_dtype |R_h|_inf) + atol`` (``rtol`` given:
+    ``rtol |R_h|_inf + atol``), the rule of :func:`arrayattn.testing.compare_to_reference`."""
+    if rtol is not None:
+        return rtol * errors.scale + atol
+    return factor * np.maximum(own_error, errors.scale * EPS[dtype]) + atol

@@ -1,0 +1,265 @@
+"""The output referee: another implementation's output (and log-sum-exp) against
+arrayattn's float64 reference, per head."""
+from __future__ import annotations
+
+import numpy as np
+
+from .assertions import check_tolerance
+from .comparison import Comparison
+from .measures import (Nudge, derived_tolerance, dtype_name, head_errors, host64,
+                       own_head_error, working_dtype)
+from .problem import floating_dtype, prepare, to_bhnd
+
+__all__ = ["compare_to_reference", "assert_matches_reference", "compare_lse"]
+
+
+def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
+                         profile=None, **params) -> Comparison:
+    r"""Compare another implementation's ``out`` with arrayattn's float64 reference.
+
+    The reference is the variant's reference form (:meth:`Variant.reference`, never an
+    engine), ``variant(q, k, v, **params)`` evaluated by the registry record in
+    float64 on the host, from the caller's own inputs (and the caller's own random
+    matrices, passed as array ``params``; floating arrays are converted to float64,
+    boolean masks are kept).
+
+    Parameters
+    ----------
+    out : array, shape ``(..., n, dv)``
+        The output under test, any supported array library.  Its dtype sets the
+        tolerance.
+    variant : str, Variant or None
+        Registry name (see :func:`arrayattn.variants`); ``None`` with a ``profile``
+        takes the profile's variant.
+    q, k, v : array
+        The inputs ``out`` was computed from.
+    rtol : float, optional
+        Override: allowed max-abs error of a head relative to the head's largest
+        reference entry.  ``None`` derives the tolerance as below.  A finite number
+        >= 0 (an infinite tolerance would pass a NaN output: refused).
+    atol : float
+        An absolute allowance added to each head's tolerance (default 0; finite, >= 0).
+    layout : {"bhnd", "bnhd"}, optional
+        Axis order of ``q``, ``k``, ``v`` and ``out``: ``"bhnd"`` (``(..., heads,
+        tokens, dim)``, the default without a profile) or ``"bnhd"`` (``(batch, tokens,
+        heads, dim)``, fla, flash-attn, fast-transformers; a ``key_mask`` is then
+        ``(batch, s)``).  ``None``: the profile's layout, else ``"bhnd"``.  Heads are
+        reported as ``(batch, head)`` in either layout.
+    profile : str or Profile, optional
+        A port's conventions (:data:`PROFILES`: ``"sdpa"``, ``"flash_attn"``,
+        ``"flex_attention"``, ``"performer_pytorch"``, ``"lucidrains_nystrom"``,
+        ``"hf_nystromformer"``, ``"fast_transformers"``, ``"fla"``).  ``**params`` are then the *port's* options (``is_causal=``,
+        ``projection_matrix=``, ``res_conv_weight=`` ...), mapped onto the variant's:
+        top-left causal masks, the port's scale, front padding, pinv init, conv skip.
+        Deviations a profile cannot reproduce yet are listed in ``Comparison.notes``.
+    **params
+        Options of the variant (``causal=True``, ``num_features=64``, ``omega=...``), or
+        of the port with a ``profile``.  With ``block_table`` and ``cache_seqlens`` the
+        problem is a paged KV cache, judged against :func:`arrayattn.paged_attention`:
+        ``k`` and ``v`` are then the caches ``(num_blocks, page, h_kv, d)`` (never
+        transposed by ``layout``).
+
+    Returns
+    -------
+    Comparison
+        Per-head errors, tolerances and worst positions; ``.ok``, ``.verdict()``,
+        ``.table()``; ``.rel`` (this output against float64) beside ``.own_rel`` (the
+        float32 -- or float64 -- rounding baseline: what a faithful implementation
+        achieves on these inputs), stated in the verdict by ``.precision()``.
+
+    Notes
+    -----
+    **Tolerance.**  A head is the trailing ``(n, dv)`` block of ``out``; all leading
+    dimensions index heads.  For head ``h`` with reference ``R_h`` the allowed
+    max-abs error is
+
+    .. math::
+
+       \tau_h = F \cdot \max\bigl(e_h,\; \epsilon_{out} \|R_h\|_\infty\bigr),
+       \qquad F = 8,
+
+    where
+
+    * :math:`e_h` is the max-abs error of *arrayattn's own* evaluation of the same
+      variant in the working precision (float64 for a float64 output, float32
+      otherwise: float16 and bfloat16 are computed in float32, as every arrayattn
+      variant and every fused kernel does), on the inputs with a random relative
+      perturbation of one unit roundoff of that precision.  It measures the rounding
+      error that this variant incurs on *these* inputs: large logits, long sequences
+      or an ill-conditioned pseudo-inverse all show up in it.  This is the criterion
+      of FlashAttention's own test suite (error at most a small multiple of a plain
+      implementation's error in the same precision);
+    * the floor :math:`\epsilon_{out}\|R_h\|_\infty` (machine epsilon of the output dtype
+      times the head's largest entry) is the rounding of the result itself: it is what
+      counts for float16 and bfloat16 outputs, whose arithmetic is float32;
+    * :math:`F = 8` allows a correct implementation to sum in another order (blocked
+      or online softmax, fused kernels, another BLAS), whose rounding error is of
+      the same order but not the same value (measured: torch's
+      ``scaled_dot_product_attention``, blockwise softmax and a plain float32 port stay
+      within 1.4 e_h at n = 256 ... 2048, d = 64, diffuse and sharp attention).
+
+    For random-feature and random-pattern variants pass the matrix the other
+    implementation used (e.g. ``omega=``, ``e=``, ``f=``): the reference then uses the
+    same matrix, the comparison is deterministic and the same rounding-level tolerance
+    applies.  Without it the reference draws its own from ``seed`` and only matches an
+    implementation that drew the identical matrix.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import softmax_attention
+    >>> from arrayattn.testing import compare_to_reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 3, 16, 8), dtype=np.float32) for _ in range(3))
+    >>> out = softmax_attention(q, k, v, causal=True, block_size=4)  # "their" kernel
+    >>> c = compare_to_reference(out, "softmax", q, k, v, causal=True)
+    >>> c.ok, len(c.heads), c.heads[4]
+    (True, 6, (1, 1))
+    >>> bad = out.copy(); bad[1, 2] += 1e-3
+    >>> compare_to_reference(bad, "softmax", q, k, v, causal=True).verdict()[:60]
+    'MISMATCH: softmax, 1 of 6 head(s) over tolerance (float32 ou'
+    """
+    rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
+    dtype = floating_dtype(out, "out")
+    problem = prepare(variant, q, k, v, layout=layout, profile=profile, params=params)
+    theirs = to_bhnd({"out": host64(out)}, problem.layout, ("out",))["out"]
+    ref = _reference_output(problem, theirs)
+    errors = head_errors(np.abs(theirs - ref), ref)
+    own, notes = _baseline(problem, ref, dtype, len(errors.heads))
+    notes += _upcast_note(dtype, (q, k, v))
+    return Comparison.of(problem.name, dtype, errors,
+                         derived_tolerance(errors, own, dtype, rtol=rtol, atol=atol), own,
+                         problem.notes + notes, problem.profile)
+
+
+def _reference_output(problem, theirs: np.ndarray) -> np.ndarray:
+    """The float64 reference, of the output's shape (ValueError naming both otherwise)."""
+    ref = problem.evaluate()
+    if theirs.shape != ref.shape:
+        raise ValueError(f"out has shape {theirs.shape} but {problem.name} gives {ref.shape} "
+                         f"for {problem.shapes()}")
+    if theirs.ndim < 2:
+        raise ValueError(f"out must have at least 2 dimensions (..., n, dv); got {theirs.shape}")
+    return ref
+
+
+def _baseline(problem, ref: np.ndarray, dtype: str, count: int, *, lse: bool = False):
+    """``(own error per head, notes)``: arrayattn's own evaluation in the output's working
+    precision, inputs perturbed by one unit roundoff (fixed seed: reproducible)."""
+    work = working_dtype(dtype)
+    own = problem.evaluate(work, Nudge(work), lse=lse)
+    err, finite = own_head_error(own, ref, count)
+    return err, ([] if finite or lse else [
+        f"arrayattn's own {work} evaluation is not finite on these inputs; the tolerance "
+        "uses the rounding floor only"])
+
+
+def _upcast_note(dtype: str, inputs) -> list:
+    low = sorted({dtype_name(x) for x in inputs} & {"float32", "float16", "bfloat16"})
+    if dtype != "float64" or not low:
+        return []
+    return [f"out is float64 but the inputs are {'/'.join(low)}: the tolerance is a float64 "
+            "computation's; if the kernel computed in float32 and cast its result up, pass "
+            "out in the dtype it computed in"]
+
+
+def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
+                             profile=None, **params) -> None:
+    """Assert that ``out`` equals arrayattn's float64 reference to rounding, per head.
+
+    Runs :func:`compare_to_reference` (see there for the tolerance derivation) and
+    raises ``AssertionError`` naming the worst heads, their largest errors and the
+    positions ``(query, column)`` where they occur.
+
+    Parameters
+    ----------
+    out : array, shape ``(..., n, dv)``
+        The output under test.
+    variant : str, Variant or None
+        Registry name of the reference (``None`` with a ``profile``: the profile's).
+    q, k, v : array
+        The inputs ``out`` was computed from.
+    rtol : float, optional
+        Override of the derived tolerance (max-abs error relative to the head's largest
+        reference entry); finite, >= 0.
+    atol : float
+        Absolute allowance added to each head's tolerance (default 0); finite, >= 0.
+    layout : {"bhnd", "bnhd"}, optional
+        Axis order of ``q``, ``k``, ``v``, ``out`` (see :func:`compare_to_reference`).
+    profile : str, optional
+        A port's conventions (see :data:`PROFILES`); ``**params`` are then the port's
+        own options.
+    **params
+        Options of the variant, including the random matrices the other implementation
+        used (``omega=``, ``e=``, ``f=`` ...).
+
+    Raises
+    ------
+    AssertionError
+        When a head's max-abs error exceeds its tolerance, or the output holds a NaN or
+        inf where the reference is finite (whatever the tolerance).
+    ValueError, TypeError
+        A negative, infinite or NaN ``rtol`` / ``atol`` (or one that is not a number).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn.testing import assert_matches_reference
+    >>> rng = np.random.default_rng(1)
+    >>> q, k, v = (rng.standard_normal((4, 32, 16)) for _ in range(3))
+    >>> w = np.exp(q @ k.swapaxes(-1, -2) / 4.0)
+    >>> mine = (w / w.sum(-1, keepdims=True)) @ v         # a plain float64 port
+    >>> assert_matches_reference(mine, "softmax", q, k, v)  # passes silently
+    >>> mine[2, 7, 3] += 1e-6
+    >>> assert_matches_reference(mine, "softmax", q, k, v)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    AssertionError: MISMATCH: softmax, 1 of 4 head(s) over tolerance (float64 output); worst (by error / tolerance) head (2,): max abs error 1e-06 at query 7, column 3 ...
+    """
+    c = compare_to_reference(out, variant, q, k, v, rtol=rtol, atol=atol, layout=layout,
+                             profile=profile, **params)
+    if not c.ok:
+        raise AssertionError(c.report())
+
+
+def compare_lse(lse, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None, profile=None,
+                **params) -> Comparison:
+    """Compare a kernel's log-sum-exp ``lse (..., heads, n)`` (FlashAttention's
+    ``softmax_lse``, in either layout of q, k, v) with the reference's
+    (``return_lse=True``), one head per row.  A row with no visible key agrees when both
+    are infinite (arrayattn stores ``-inf``, FlashAttention ``+inf``).  Tolerance
+    ``8 max(e, eps |L|_inf)`` with ``e`` arrayattn's own float32 (or float64) error.
+    ``profile`` and ``**params`` as in :func:`compare_to_reference` (the ``flash_attn``
+    profile shifts the reference where the kernel's lse differs by a constant per row).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import arrayattn
+    >>> from arrayattn.testing import compare_lse
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 16, 8)) for _ in range(3))
+    >>> _, lse = arrayattn.softmax_attention(q, k, v, causal=True, return_lse=True)
+    >>> compare_lse(lse, "softmax", q, k, v, causal=True).ok
+    True
+    """
+    rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
+    dtype = floating_dtype(lse, "lse")
+    problem = prepare(variant, q, k, v, layout=layout, profile=profile, params=params)
+    ref, theirs = problem.evaluate(lse=True), host64(lse)
+    if theirs.shape != ref.shape:
+        raise ValueError(f"lse has shape {theirs.shape} but the reference's is {ref.shape}")
+    errors = head_errors(_lse_error(theirs, ref), ref, event=1)
+    own, _ = _baseline(problem, ref, dtype, len(errors.heads), lse=True)
+    return Comparison.of(f"{problem.name} lse", dtype, errors,
+                         derived_tolerance(errors, own, dtype, rtol=rtol, atol=atol), own,
+                         problem.notes, problem.profile)
+
+
+def _lse_error(theirs: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """``|theirs - ref|``, 0 where both are infinite (a row with no key), infinite where
+    only one is."""
+    empty = np.isinf(ref)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(np.where(np.isinf(theirs), np.inf, theirs) - np.where(empty, 0.0, ref))
+    return np.where(empty, np.where(np.isinf(theirs), 0.0, np.inf), err)
