@@ -17,7 +17,7 @@ from ._xp import compute_dtype, xp_device, xp_namespace
 __all__ = ["Problem", "check_array", "check_qkv", "check_key_mask", "check_mask",
            "check_positive_int", "check_scale", "check_choice", "check_no_causal",
            "check_same_array_kind", "check_flag", "check_seed", "broadcast_batch", "check_bias",
-           "check_band"]
+           "check_band", "check_bool_mask", "shape_of"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,11 @@ class Problem:
         return self.xp.zeros(self.out_shape, dtype=self.dtype, device=self.device)
 
 
-def _shape(x) -> tuple:
+def shape_of(x) -> tuple:
     return tuple(x.shape)
 
 
-def _broadcast_batch(named_shapes: list[tuple[str, tuple]]) -> tuple:
+def broadcast_batch(named_shapes: list[tuple[str, tuple]]) -> tuple:
     try:
         return tuple(np.broadcast_shapes(*(s for _, s in named_shapes)))
     except ValueError:
@@ -64,8 +64,6 @@ def _broadcast_batch(named_shapes: list[tuple[str, tuple]]) -> tuple:
         ) from None
 
 
-#: The package-level name of :func:`_broadcast_batch` (for other modules).
-broadcast_batch = _broadcast_batch
 
 
 def _check_float(xp, name: str, x) -> None:
@@ -99,7 +97,7 @@ def check_array(name: str, x, *, min_ndim: int = 0):
         ) from None
     if x.ndim < min_ndim:
         raise ValueError(
-            f"{name} must have at least {min_ndim} dimensions; got shape {_shape(x)}")
+            f"{name} must have at least {min_ndim} dimensions; got shape {shape_of(x)}")
     return x
 
 
@@ -117,18 +115,18 @@ def check_qkv(q, k, v, *, names=("q", "k", "v"), same_dim=True) -> Problem:
         if x.ndim < 2:
             raise ValueError(
                 f"{name} must have at least 2 dimensions (..., tokens, features); "
-                f"got shape {_shape(x)}"
+                f"got shape {shape_of(x)}"
             )
         _check_float(xp, name, x)
     if same_dim and k.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"{nk} has d={k.shape[-1]} but {nq} has d={q.shape[-1]} "
-            f"(shapes {nq} {_shape(q)}, {nk} {_shape(k)})"
+            f"(shapes {nq} {shape_of(q)}, {nk} {shape_of(k)})"
         )
     if v.shape[-2] != k.shape[-2]:
         raise ValueError(
             f"{nv} has s={v.shape[-2]} tokens but {nk} has s={k.shape[-2]} "
-            f"(shapes {nk} {_shape(k)}, {nv} {_shape(v)})"
+            f"(shapes {nk} {shape_of(k)}, {nv} {shape_of(v)})"
         )
     for name, x in ((nk, k), (nv, v)):
         if x.dtype != q.dtype:
@@ -141,8 +139,8 @@ def check_qkv(q, k, v, *, names=("q", "k", "v"), same_dim=True) -> Problem:
         dx = xp_device(x)
         if dev is not None and dx is not None and dx != dev:
             raise ValueError(f"{name} is on device {dx} but {nq} is on device {dev}")
-    batch = _broadcast_batch(
-        [(nq, _shape(q)[:-2]), (nk, _shape(k)[:-2]), (nv, _shape(v)[:-2])]
+    batch = broadcast_batch(
+        [(nq, shape_of(q)[:-2]), (nk, shape_of(k)[:-2]), (nv, shape_of(v)[:-2])]
     )
     return Problem(
         xp=xp, n=q.shape[-2], s=k.shape[-2], d=q.shape[-1], dv=v.shape[-1],
@@ -150,7 +148,7 @@ def check_qkv(q, k, v, *, names=("q", "k", "v"), same_dim=True) -> Problem:
     )
 
 
-def _check_bool(p: Problem, name: str, x, ref_name: str, ref) -> None:
+def check_bool_mask(p: Problem, name: str, x, ref_name: str, ref) -> None:
     check_same_array_kind(p.xp, ref_name, ref, name, x)
     if x.dtype != p.xp.bool:
         raise TypeError(f"{name} must be a boolean array (True = keep); got dtype {x.dtype}")
@@ -160,15 +158,15 @@ def check_key_mask(p: Problem, key_mask, q, *, name: str = "key_mask"):
     """``key_mask (..., s)`` boolean, broadcastable to the batch; returns it unchanged."""
     if key_mask is None:
         return None
-    _check_bool(p, name, key_mask, "q", q)
+    check_bool_mask(p, name, key_mask, "q", q)
     if key_mask.ndim < 1 or key_mask.shape[-1] != p.s:
         raise ValueError(
-            f"{name} must have shape (..., s) with s={p.s} keys; got shape {_shape(key_mask)}"
+            f"{name} must have shape (..., s) with s={p.s} keys; got shape {shape_of(key_mask)}"
         )
-    batch = _broadcast_batch([("q/k/v", p.batch), (name, _shape(key_mask)[:-1])])
+    batch = broadcast_batch([("q/k/v", p.batch), (name, shape_of(key_mask)[:-1])])
     if batch != p.batch:
         raise ValueError(
-            f"{name} of shape {_shape(key_mask)} has more batch dimensions than the "
+            f"{name} of shape {shape_of(key_mask)} has more batch dimensions than the "
             f"inputs' batch {p.batch}"
         )
     return key_mask
@@ -178,15 +176,15 @@ def check_mask(p: Problem, mask, q, *, name: str = "mask"):
     """``mask (..., n, s)`` boolean, broadcastable to the batch; returns it unchanged."""
     if mask is None:
         return None
-    _check_bool(p, name, mask, "q", q)
+    check_bool_mask(p, name, mask, "q", q)
     if mask.ndim < 2 or tuple(mask.shape[-2:]) != (p.n, p.s):
         raise ValueError(
-            f"{name} must have shape (..., n, s) = (..., {p.n}, {p.s}); got shape {_shape(mask)}"
+            f"{name} must have shape (..., n, s) = (..., {p.n}, {p.s}); got shape {shape_of(mask)}"
         )
-    batch = _broadcast_batch([("q/k/v", p.batch), (name, _shape(mask)[:-2])])
+    batch = broadcast_batch([("q/k/v", p.batch), (name, shape_of(mask)[:-2])])
     if batch != p.batch:
         raise ValueError(
-            f"{name} of shape {_shape(mask)} has more batch dimensions than the "
+            f"{name} of shape {shape_of(mask)} has more batch dimensions than the "
             f"inputs' batch {p.batch}"
         )
     return mask
@@ -266,11 +264,11 @@ def check_bias(p: Problem, bias, q, *, name: str = "bias"):
                         f"use mask= for a boolean mask); got {bias.dtype}")
     if bias.ndim < 2 or tuple(bias.shape[-2:]) != (p.n, p.s):
         raise ValueError(
-            f"{name} must have shape (..., n, s) = (..., {p.n}, {p.s}); got shape {_shape(bias)}")
-    batch = _broadcast_batch([("q/k/v", p.batch), (name, _shape(bias)[:-2])])
+            f"{name} must have shape (..., n, s) = (..., {p.n}, {p.s}); got shape {shape_of(bias)}")
+    batch = broadcast_batch([("q/k/v", p.batch), (name, shape_of(bias)[:-2])])
     if batch != p.batch:
         raise ValueError(
-            f"{name} of shape {_shape(bias)} has more batch dimensions than the "
+            f"{name} of shape {shape_of(bias)} has more batch dimensions than the "
             f"inputs' batch {p.batch}")
     return p.xp.astype(bias, p.work_dtype, copy=False)
 

@@ -11,7 +11,7 @@ import numbers
 import array_api_compat
 import numpy as np
 
-from ._validate import (Problem, _broadcast_batch, _check_bool, _shape, check_array,
+from ._validate import (Problem, broadcast_batch, check_array, check_bool_mask, shape_of,
                         check_same_array_kind)
 from ._xp import to_numpy
 
@@ -69,7 +69,7 @@ def check_alibi_slopes(p: Problem, slopes, q):
     heads = q.shape[-3] if q.ndim >= 3 else None
     if slopes.ndim < 1 or heads is None or slopes.shape[-1] != heads:
         raise ValueError(f"alibi_slopes must have shape (h,) or (b, h) with h = {heads} "
-                         f"(the heads of q, shape {_shape(q)}); got shape {_shape(slopes)}")
+                         f"(the heads of q, shape {shape_of(q)}); got shape {shape_of(slopes)}")
     return p.xp.astype(slopes, p.work_dtype, copy=False)
 
 
@@ -77,11 +77,11 @@ def check_query_mask(p: Problem, query_mask, q):
     """``query_mask (..., n)`` boolean, broadcastable to the batch."""
     if query_mask is None:
         return None
-    _check_bool(p, "query_mask", query_mask, "q", q)
+    check_bool_mask(p, "query_mask", query_mask, "q", q)
     if query_mask.ndim < 1 or query_mask.shape[-1] != p.n:
         raise ValueError(f"query_mask must have shape (..., n) with n={p.n} queries; got "
-                         f"shape {_shape(query_mask)}")
-    _broadcast_batch([("q/k/v", p.batch), ("query_mask", _shape(query_mask)[:-1])])
+                         f"shape {shape_of(query_mask)}")
+    broadcast_batch([("q/k/v", p.batch), ("query_mask", shape_of(query_mask)[:-1])])
     return query_mask
 
 
@@ -97,11 +97,11 @@ def check_dropout(p: Problem, dropout_mask, dropout_p, q):
             raise ValueError("dropout_p > 0 needs dropout_mask= (the keep-mask, True = "
                              "kept): arrayattn draws no random dropout")
         return None
-    _check_bool(p, "dropout_mask", dropout_mask, "q", q)
+    check_bool_mask(p, "dropout_mask", dropout_mask, "q", q)
     if dropout_mask.ndim < 2 or tuple(dropout_mask.shape[-2:]) != (p.n, p.s):
         raise ValueError(f"dropout_mask must have shape (..., n, s) = (..., {p.n}, {p.s}); "
-                         f"got shape {_shape(dropout_mask)}")
-    _broadcast_batch([("q/k/v", p.batch), ("dropout_mask", _shape(dropout_mask)[:-2])])
+                         f"got shape {shape_of(dropout_mask)}")
+    broadcast_batch([("q/k/v", p.batch), ("dropout_mask", shape_of(dropout_mask)[:-2])])
     return dropout_mask, float(dropout_p)
 
 
@@ -114,7 +114,7 @@ def check_cu_seqlens(p: Problem, name: str, cu, total: int, q):
         raise TypeError(f"{name} must have an integer dtype; got {cu.dtype}")
     if cu.ndim != 1 or cu.shape[0] < 2:
         raise ValueError(f"{name} must have shape (B + 1,) with B >= 1 sequences; got "
-                         f"shape {_shape(cu)}")
+                         f"shape {shape_of(cu)}")
     if array_api_compat.is_jax_array(cu) and not _concrete(cu):
         return cu
     host = to_numpy(cu)

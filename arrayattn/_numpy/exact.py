@@ -17,10 +17,10 @@ import numpy as np
 
 from .parallel import map_rows, scratch
 
-__all__ = ["dense", "blockwise"]
+__all__ = ["dense", "blockwise", "allowed_tile", "mask_scores"]
 
 
-def _allowed(n, s, *, causal, key_mask, mask, shift, row0=0, col0=0):
+def allowed_tile(n, s, *, causal, key_mask, mask, shift, row0=0, col0=0):
     allowed = None
     if causal:
         allowed = (np.arange(s)[None, :] + col0) <= (np.arange(n)[:, None] + row0 + shift)
@@ -32,7 +32,7 @@ def _allowed(n, s, *, causal, key_mask, mask, shift, row0=0, col0=0):
     return allowed
 
 
-def _mask_(sc, allowed):
+def mask_scores(sc, allowed):
     """``sc`` with disallowed entries set to ``-inf`` (in place when shapes allow)."""
     if allowed is None:
         return sc
@@ -46,7 +46,7 @@ def dense(q, k, v, *, scale, causal, key_mask, mask):
     """``softmax(q k^T scale + masks) v`` with one ``(n, s)`` temporary."""
     n, s = q.shape[-2], k.shape[-2]
     sc = np.matmul(q * scale, k.swapaxes(-1, -2))
-    sc = _mask_(sc, _allowed(n, s, causal=causal, key_mask=key_mask, mask=mask,
+    sc = mask_scores(sc, allowed_tile(n, s, causal=causal, key_mask=key_mask, mask=mask,
                              shift=s - n))
     m = sc.max(axis=-1, keepdims=True)
     m[m == -np.inf] = 0.0
@@ -76,7 +76,7 @@ def blockwise(q, k, v, *, scale, block_size, causal, key_mask, mask, out_shape):
             # reads in place (slicing columns of k^T gives a strided operand, ~3x slower).
             sc = np.matmul(qb, k[..., j0:j1, :].swapaxes(-1, -2),
                            out=scratch((*batch, i1 - i0, j1 - j0), q.dtype, "scores"))
-            sc = _mask_(sc, _allowed(
+            sc = mask_scores(sc, allowed_tile(
                 i1 - i0, j1 - j0, causal=causal and j1 - 1 > i0 + shift,
                 key_mask=None if key_mask is None else key_mask[..., j0:j1],
                 mask=None if mask is None else mask[..., i0:i1, j0:j1],

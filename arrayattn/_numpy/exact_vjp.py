@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from .exact import _allowed, _mask_
+from .exact import allowed_tile, mask_scores
 from .parallel import parallel_map, scratch
 
 __all__ = ["vjp", "TILE_BYTES"]
@@ -59,7 +59,7 @@ def vjp(q, k, v, do, *, scale, causal, key_mask, mask):
         # hidden, so only that (R, <= R) slab is masked.
         c0 = max(0, min(end, i0 + shift + 1)) if key_mask is None and mask is None else 0
         slab = p[:, c0:end]
-        masked = _mask_(slab, _allowed(
+        masked = mask_scores(slab, allowed_tile(
             i1 - i0, end - c0, causal=causal, shift=shift, row0=i0, col0=c0,
             key_mask=None if key_mask is None else at(key_mask, b, 1)[c0:end],
             mask=None if mask is None else at(mask, b, 2)[i0:i1, c0:end]))

@@ -20,10 +20,11 @@ from .masks import masked_softmax, zero_masked_keys
 from .scan import fori
 
 __all__ = ["masked_segment_means", "pinv_svd", "pinv_razavi", "nystrom_attention",
-           "landmark_attention", "depthwise_conv"]
+           "landmark_attention", "depthwise_conv", "segment_sums", "landmarks", "and_masks",
+           "as_columns", "as_rows"]
 
 
-def _segment_sums(x, m: int):
+def segment_sums(x, m: int):
     """Sums of ``x (..., n, c)`` over ``m`` contiguous segments: the first ``n mod m``
     hold ``ceil(n/m)`` tokens, the others ``floor(n/m)`` (never zero padding)."""
     xp = array_namespace(x)
@@ -46,9 +47,9 @@ def masked_segment_means(x, m: int, keep=None):
     xp = array_namespace(x)
     if keep is None:
         ones = xp.ones((x.shape[-2], 1), dtype=x.dtype, device=device(x))
-        return _segment_sums(x, m) / _segment_sums(ones, m), None
-    counts = _segment_sums(xp.astype(keep[..., None], x.dtype), m)      # (..., m, 1)
-    sums = _segment_sums(xp.where(keep[..., None], x, 0.0), m)
+        return segment_sums(x, m) / segment_sums(ones, m), None
+    counts = segment_sums(xp.astype(keep[..., None], x.dtype), m)      # (..., m, 1)
+    sums = segment_sums(xp.where(keep[..., None], x, 0.0), m)
     return sums / xp.where(counts > 0, counts, 1.0), counts[..., 0]
 
 
@@ -81,7 +82,7 @@ def pinv_razavi(a, iters: int, init: str = "per_matrix"):
     return fori(iteration, z, iters)
 
 
-def _landmarks(q, k, v, m, key_mask, query_mask):
+def landmarks(q, k, v, m, key_mask, query_mask):
     """Masked keys and values zeroed, the landmarks, and which of them are non-empty."""
     k, v = zero_masked_keys(key_mask, k, v)
     qt, qcount = masked_segment_means(q, m, query_mask)
@@ -91,15 +92,15 @@ def _landmarks(q, k, v, m, key_mask, query_mask):
     return k, v, qt, kt, qvalid, kvalid
 
 
-def _and(a, b):
+def and_masks(a, b):
     return a if b is None else (b if a is None else a & b)
 
 
-def _col(valid):   # (..., m) -> (..., 1, m): allowed columns
+def as_columns(valid):   # (..., m) -> (..., 1, m): allowed columns
     return None if valid is None else valid[..., None, :]
 
 
-def _row(valid):   # (..., m) -> (..., m, 1): allowed rows
+def as_rows(valid):   # (..., m) -> (..., m, 1): allowed rows
     return None if valid is None else valid[..., :, None]
 
 
@@ -115,13 +116,13 @@ def nystrom_attention(q, k, v, *, num_landmarks: int, scale: float, pinv: str = 
     (cutoff ``pinv_rtol``, default ``m eps``) or ``"iterative"`` (:func:`pinv_razavi`).
     """
     xp = array_namespace(q, k, v)
-    k, v, qt, kt, qvalid, kvalid = _landmarks(q, k, v, num_landmarks, key_mask, query_mask)
+    k, v, qt, kt, qvalid, kvalid = landmarks(q, k, v, num_landmarks, key_mask, query_mask)
     # The scale goes on the (m, d) landmarks: every logit pairs one with a token or landmark.
     kts = xp.matrix_transpose(kt * scale)
-    kernel_f = masked_softmax(q @ kts, _col(kvalid))
-    kernel_a = masked_softmax(qt @ kts, _and(_row(qvalid), _col(kvalid)))
+    kernel_f = masked_softmax(q @ kts, as_columns(kvalid))
+    kernel_a = masked_softmax(qt @ kts, and_masks(as_rows(qvalid), as_columns(kvalid)))
     kernel_b = masked_softmax((qt * scale) @ xp.matrix_transpose(k),
-                              _and(_row(qvalid), _col(key_mask)))
+                              and_masks(as_rows(qvalid), as_columns(key_mask)))
     if pinv == "svd":
         eps = float(xp.finfo(kernel_a.dtype).eps)
         z = pinv_svd(kernel_a, num_landmarks * eps if pinv_rtol is None else pinv_rtol)
@@ -136,11 +137,11 @@ def landmark_attention(q, k, v, *, num_landmarks: int, scale: float, key_mask=No
     ``softmax(c Q K̃ᵀ) softmax(c Q̃ Kᵀ) V``.  A landmark index whose query or key segment
     is empty is dropped from both factors (they pair by index), so rows sum to 1."""
     xp = array_namespace(q, k, v)
-    k, v, qt, kt, qvalid, kvalid = _landmarks(q, k, v, num_landmarks, key_mask, query_mask)
-    valid = _and(qvalid, kvalid)
-    kernel_f = masked_softmax(q @ xp.matrix_transpose(kt * scale), _col(valid))
+    k, v, qt, kt, qvalid, kvalid = landmarks(q, k, v, num_landmarks, key_mask, query_mask)
+    valid = and_masks(qvalid, kvalid)
+    kernel_f = masked_softmax(q @ xp.matrix_transpose(kt * scale), as_columns(valid))
     kernel_b = masked_softmax((qt * scale) @ xp.matrix_transpose(k),
-                              _and(_row(qvalid), _col(key_mask)))
+                              and_masks(as_rows(qvalid), as_columns(key_mask)))
     return kernel_f @ (kernel_b @ v)
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .masks import masked_softmax, zero_masked_keys
-from .nystrom import (_and, _col, _landmarks, _row, _segment_sums, depthwise_conv,
+from .nystrom import (and_masks, as_columns, landmarks, as_rows, segment_sums, depthwise_conv,
                       pinv_razavi, pinv_svd)
 
 __all__ = ["masked_segment_means_vjp", "pinv_svd_vjp", "pinv_razavi_vjp",
@@ -71,7 +71,7 @@ def _eye(a, size):
 
 
 def _segment_spread(g, n: int):
-    """Adjoint of :func:`_segment_sums`: row ``j`` of ``g (..., m, c)`` copied to every
+    """Adjoint of :func:`segment_sums`: row ``j`` of ``g (..., m, c)`` copied to every
     token of segment ``j``, ``(..., n, c)``."""
     xp = array_namespace(g)
     lead, (m, c) = tuple(g.shape[:-2]), tuple(g.shape[-2:])
@@ -90,8 +90,8 @@ def masked_segment_means_vjp(dmeans, n: int, keep=None):
     m = dmeans.shape[-2]
     if keep is None:
         ones = xp.ones((n, 1), dtype=dmeans.dtype, device=device(dmeans))
-        return _segment_spread(dmeans / _segment_sums(ones, m), n)
-    counts = _segment_sums(xp.astype(keep[..., None], dmeans.dtype), m)     # (..., m, 1)
+        return _segment_spread(dmeans / segment_sums(ones, m), n)
+    counts = segment_sums(xp.astype(keep[..., None], dmeans.dtype), m)     # (..., m, 1)
     spread = _segment_spread(dmeans / xp.where(counts > 0, counts, 1.0), n)
     return xp.where(keep[..., None], spread, 0.0)
 
@@ -179,11 +179,11 @@ def nystrom_attention_vjp(q, k, v, do, *, num_landmarks: int, scale: float,
     (broadcast batch shape), by the equations of the module docstring."""
     xp = array_namespace(q, k, v, do)
     n, s, m = q.shape[-2], k.shape[-2], num_landmarks
-    k0, v0, qt, kt, qvalid, kvalid = _landmarks(q, k, v, m, key_mask, query_mask)
+    k0, v0, qt, kt, qvalid, kvalid = landmarks(q, k, v, m, key_mask, query_mask)
     ks = kt * scale
-    allowed_f = _col(kvalid)
-    allowed_a = _and(_row(qvalid), _col(kvalid))
-    allowed_b = _and(_row(qvalid), _col(key_mask))
+    allowed_f = as_columns(kvalid)
+    allowed_a = and_masks(as_rows(qvalid), as_columns(kvalid))
+    allowed_b = and_masks(as_rows(qvalid), as_columns(key_mask))
     kernel_f = masked_softmax(q @ _t(ks), allowed_f)
     kernel_a = masked_softmax(qt @ _t(ks), allowed_a)
     kernel_b = masked_softmax((qt * scale) @ _t(k0), allowed_b)
@@ -218,10 +218,10 @@ def landmark_attention_vjp(q, k, v, do, *, num_landmarks: int, scale: float, key
     """``{"q": dQ, "k": dK, "v": dV}`` of :func:`~arrayattn.reference.landmark_attention`:
     ``O = F (B V)``, the equations above without the middle factor."""
     n, s = q.shape[-2], k.shape[-2]
-    k0, v0, qt, kt, qvalid, kvalid = _landmarks(q, k, v, num_landmarks, key_mask, query_mask)
+    k0, v0, qt, kt, qvalid, kvalid = landmarks(q, k, v, num_landmarks, key_mask, query_mask)
     ks = kt * scale
-    allowed_f = _col(_and(qvalid, kvalid))
-    allowed_b = _and(_row(qvalid), _col(key_mask))
+    allowed_f = as_columns(and_masks(qvalid, kvalid))
+    allowed_b = and_masks(as_rows(qvalid), as_columns(key_mask))
     kernel_f = masked_softmax(q @ _t(ks), allowed_f)
     kernel_b = masked_softmax((qt * scale) @ _t(k0), allowed_b)
     w = kernel_b @ v0
