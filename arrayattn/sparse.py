@@ -40,7 +40,8 @@ from ._engine import dense_reference, entry, numpy_engine
 from ._validate import (check_bias, check_flag, check_key_mask, check_positive_int, check_qkv,
                         check_scale, check_seed)
 from ._numpy.parallel import parallel_map
-from ._xp import xp_from_host
+from ._xp import xp_device, xp_from_host
+from .reference.scan import scan
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 
@@ -56,6 +57,48 @@ _CHUNK_ELEMENTS = 1 << 23
 # The cost of one more group of query blocks, in score elements: a group is a dozen
 # array operations, worth about this much padded work.
 _GROUP_OVERHEAD = 1 << 17
+# Groups of the scanned form (JAX and every non-NumPy-engine path): a bound on the loop
+# bodies of its program (a few, whatever n: a group is a scan over its chunks).
+_SCAN_GROUPS = 4
+
+
+def _cuts(vals, bounds, tile: int, max_groups):
+    """The cheapest cut of the sorted counts into contiguous groups: ``[(u, t)]``, group
+    ``u .. t - 1`` padded to ``vals[u]`` key blocks, each group costing its padded work
+    plus ``_GROUP_OVERHEAD`` (``max_groups`` groups when given, fewer only when there
+    are fewer counts)."""
+    m = vals.size
+
+    def cost(u, t):
+        return vals[u] * (bounds[t] - bounds[u]) * tile + _GROUP_OVERHEAD
+
+    if max_groups is None:
+        best, cut = np.zeros(m + 1), np.zeros(m + 1, dtype=np.int64)
+        for t in range(1, m + 1):
+            costs = [best[u] + cost(u, t) for u in range(t)]
+            cut[t] = int(np.argmin(costs))
+            best[t] = costs[cut[t]]
+        segments, t = [], m
+        while t > 0:
+            segments.append((cut[t], t))
+            t = cut[t]
+        return segments[::-1]
+    # best[g, t]: the cheapest cut of the first t counts into g + 1 groups
+    levels = min(m, max_groups)
+    best = np.full((levels, m + 1), np.inf)
+    cut = np.zeros((levels, m + 1), dtype=np.int64)
+    best[0, 1:] = [cost(0, t) for t in range(1, m + 1)]
+    for g in range(1, levels):
+        for t in range(g + 1, m + 1):
+            costs = [best[g - 1, u] + cost(u, t) if u >= g else np.inf for u in range(t)]
+            cut[g, t] = int(np.argmin(costs))
+            best[g, t] = costs[cut[g, t]]
+    segments, t, g = [], m, levels - 1       # as many groups as allowed: one program
+    while t > 0:
+        u = cut[g, t] if g else 0
+        segments.append((u, t))
+        t, g = u, g - 1
+    return segments[::-1]
 
 
 def num_blocks(n: int, b: int) -> int:
@@ -264,25 +307,25 @@ class BlockLayout:
         (a small dynamic programme over the distinct counts), so a few global rows
         that reach every block do not pad the many local rows, and a handful of edge
         rows do not cost a group of their own."""
+        return self._plan(None)
+
+    @cached_property
+    def scan_plan(self) -> tuple:
+        """:attr:`plan` in ``_SCAN_GROUPS`` groups (fewer only when there are fewer
+        distinct counts): each group is one loop body of the scanned form, so its
+        compiled program is the same whatever ``n``."""
+        return self._plan(_SCAN_GROUPS)
+
+    def _plan(self, max_groups) -> tuple:
         sup = self.support
         b = self.block_size
         counts = np.maximum(sup.sum(axis=1), 1)
         order = np.argsort(-counts, kind="stable")
         vals, first = np.unique(-counts[order], return_index=True)
         vals, bounds = -vals, np.r_[first, order.size]
-        m = vals.size
-        best, cut = np.zeros(m + 1), np.zeros(m + 1, dtype=np.int64)
-        for t in range(1, m + 1):
-            costs = [best[u] + vals[u] * (bounds[t] - bounds[u]) * b * b + _GROUP_OVERHEAD
-                     for u in range(t)]
-            cut[t] = int(np.argmin(costs))
-            best[t] = costs[cut[t]]
-        segments, t = [], m
-        while t > 0:
-            segments.append((cut[t], t))
-            t = cut[t]
+        segments = _cuts(vals, bounds, b * b, max_groups)
         groups = []
-        for u, t in reversed(segments):
+        for u, t in segments:
             rows = np.sort(order[bounds[u]:bounds[t]])
             r = int(vals[u])
             idx = np.argsort(~sup[rows], axis=1, kind="stable")[:, :r]
@@ -587,38 +630,60 @@ def _tile_mask(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, devic
     """The pattern's boolean ``(G, b, R*b)`` mask over the gathered tiles of query blocks
     ``rows`` and key blocks ``idx`` (no key mask), built on ``device`` from ``O(G R b)``
     host integers. The one place the pattern's token-level rules are applied."""
+    return _mask_from(xp, layout, _mask_tables(xp, layout, rows, idx, valid, causal=causal,
+                                               device=device), causal=causal)
+
+
+def _mask_tables(xp, layout: BlockLayout, rows, idx, valid, *, causal: bool, device):
+    """:func:`_chunk_masks` as device int32 arrays, by name (only those the rules use):
+    ``code (G, R*b)``, ``kend``/``kstart (G, R*b)``, ``apos (G, b)``, ``gq (G, b)``."""
     kstart, kend, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
                                                              causal=causal)
-    code_x = xp.expand_dims(host_indices(xp, code, device), axis=-2)          # (G, 1, Rb)
+    host = {"code": code}
+    if needs_rules:
+        host.update(kend=kend, apos=apos)
+        if kstart is not kend:
+            host["kstart"] = kstart
+        if gq is not None:
+            host["gq"] = gq
+    return {name: host_indices(xp, a, device) for name, a in host.items()}
+
+
+def _mask_from(xp, layout: BlockLayout, t: dict, *, causal: bool):
+    """The ``(G, b, R*b)`` mask from the tables of :func:`_mask_tables` (any leading
+    shape of the ``G`` axis: a scanned chunk's slice of them)."""
+    code_x = xp.expand_dims(t["code"], axis=-2)                              # (G, 1, Rb)
     allowed = code_x == 2
-    if not needs_rules:
+    if "apos" not in t:
         return allowed
-    kend_x = xp.expand_dims(host_indices(xp, kend, device), axis=-2)          # (G, 1, Rb)
-    kstart_x = kend_x if kstart is kend else xp.expand_dims(host_indices(xp, kstart, device),
-                                                            axis=-2)
-    apos_x = xp.expand_dims(host_indices(xp, apos, device), axis=-1)          # (G, b, 1)
+    kend_x = xp.expand_dims(t["kend"], axis=-2)                              # (G, 1, Rb)
+    kstart_x = xp.expand_dims(t["kstart"], axis=-2) if "kstart" in t else kend_x
+    apos_x = xp.expand_dims(t["apos"], axis=-1)                              # (G, b, 1)
     reach = code_x >= 1
     if layout.window is not None:
         left, right = layout.window
         allowed = allowed | (reach & (kstart_x >= apos_x - left) & (kend_x <= apos_x + right))
-    if gq is not None:
-        allowed = allowed | (reach & (xp.expand_dims(host_indices(xp, gq, device), axis=-1) > 0))
+    if "gq" in t:
+        allowed = allowed | (reach & (xp.expand_dims(t["gq"], axis=-1) > 0))
     if causal:
         allowed = allowed & (kend_x <= apos_x)
     return allowed
 
 
-def _tile_bias(xp, bias, rows, kpos, layout: BlockLayout, device):
-    """The bias on the gathered tiles ``(..., G, b, R*b)``: its query rows, then each
-    group's key positions (padding slots read a clamped, masked-off entry)."""
+def _tile_bias(xp, bias, rows, idx, layout: BlockLayout):
+    """The bias on the gathered tiles ``(..., G, b, R*b)`` of query blocks ``rows (G,)``
+    and key blocks ``idx (G, R)`` (device integers): its query rows, then each group's
+    key positions (padding slots read a clamped, masked-off entry)."""
     b, n, s = layout.block_size, layout.n, layout.s
-    qrows = np.minimum(rows[:, None] * b + np.arange(b), n - 1).reshape(-1)
-    rb = xp.take(bias, host_indices(xp, qrows, device), axis=bias.ndim - 2)
-    rb = xp.reshape(rb, (*rb.shape[:-2], rows.size, b, s))
     info = xp.__array_namespace_info__()
-    index = info.default_dtypes(device=device)["indexing"]   # torch: int64 only
-    cols = xp_from_host(xp, np.minimum(kpos, s - 1)[:, None, :], dtype=index, device=device)
-    return xp.take_along_axis(rb, xp.broadcast_to(cols, (*rb.shape[:-1], kpos.shape[1])),
+    index = info.default_dtypes(device=xp_device(bias))["indexing"]   # torch: int64 only
+    ar = xp.arange(b, dtype=index, device=xp_device(bias))
+    qrows = xp.minimum(xp.astype(rows, index)[:, None] * b + ar, n - 1)
+    rb = xp.take(bias, xp.reshape(qrows, (-1,)), axis=bias.ndim - 2)
+    rb = xp.reshape(rb, (*rb.shape[:-2], rows.shape[0], b, s))
+    kpos = xp.astype(idx, index)[:, :, None] * b + ar
+    cols = xp.minimum(xp.reshape(kpos, (idx.shape[0], 1, -1)), s - 1)
+    return xp.take_along_axis(rb, xp.broadcast_to(cols, (*rb.shape[:-1], cols.shape[-1])),
                               axis=-1)
 
 
@@ -648,48 +713,113 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
     km = None if key_mask is None else _blocks(xp, key_mask[..., None], nkb, b, device=dev)
     batch = math.prod(p.batch)
     per_slot = batch * (b * b + b * (p.d + p.dv))    # one key block of one query block
-    chunks = []
-    for rows_all, idx_all, valid_all in layout.plan:
-        r = idx_all.shape[1]
+
+    def sizes(r):   # query blocks per chunk, key blocks per part of a row
         step = max(1, _CHUNK_ELEMENTS // (r * per_slot + batch * b * (p.d + p.dv)))
-        span = min(r, max(1, _CHUNK_ELEMENTS // per_slot))
-        chunks += [(rows_all[c0:c0 + step], idx_all[c0:c0 + step], valid_all[c0:c0 + step],
-                    span) for c0 in range(0, rows_all.size, step)]
+        return step, min(r, max(1, _CHUNK_ELEMENTS // per_slot))
 
-    def attend_chunk(chunk):
-        rows, idx_rows, valid_rows, span = chunk
-        qc = xp.take(qb, host_indices(xp, rows, dev), axis=qb.ndim - 3)
-        acc = lse = None
-        for r0 in range(0, idx_rows.shape[1], span):
-            idx, valid = idx_rows[:, r0:r0 + span], valid_rows[:, r0:r0 + span]
-            idx_x = host_indices(xp, idx, dev)
-            allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal, device=dev)
-            if km is not None:
-                kmc = xp.take(km, xp.reshape(idx_x, (-1,)), axis=km.ndim - 3)
-                allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
-                                                     idx.shape[1] * b))
-            kpos = (idx[:, :, None] * b + np.arange(b)).reshape(idx.shape[0], -1)
-            tile_bias = None if bias is None else _tile_bias(xp, bias, rows, kpos, layout, dev)
-            o, l = reference.gathered_attention(qc, kb, vb, idx_x, allowed, tile_bias)
-            acc, lse = (o, l) if acc is None else reference.merge_attention(acc, lse, o, l)
-        return acc                                                     # (..., G, b, dv)
+    def attend_part(qc, rows, idx, allowed):
+        if km is not None:
+            kmc = xp.take(km, xp.reshape(idx, (-1,)), axis=km.ndim - 3)
+            allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
+                                                 idx.shape[1] * b))
+        tile_bias = None if bias is None else _tile_bias(xp, bias, rows, idx, layout)
+        return reference.gathered_attention(qc, kb, vb, idx, allowed, tile_bias)
 
-    # The NumPy engine runs the chunks in threads (each reads the shared blocks, writes
-    # its own output); every other backend runs them in order.
     work = layout.count_computed() * batch * (xp.finfo(q.dtype).bits // 8)
-    if numpy_engine(xp, work) and len(chunks) > 1:
-        outs = parallel_map(attend_chunk, chunks)
+    if numpy_engine(xp, work):
+        # The NumPy engine runs the chunks in threads (each reads the shared blocks,
+        # writes its own output).
+        chunks = []
+        for rows_all, idx_all, valid_all in layout.plan:
+            step, span = sizes(idx_all.shape[1])
+            chunks += [(rows_all[c0:c0 + step], idx_all[c0:c0 + step],
+                        valid_all[c0:c0 + step], span)
+                       for c0 in range(0, rows_all.size, step)]
+
+        def attend_chunk(chunk):
+            rows, idx_rows, valid_rows, span = chunk
+            rows_x = host_indices(xp, rows, dev)
+            qc = xp.take(qb, rows_x, axis=qb.ndim - 3)
+            acc = lse = None
+            for r0 in range(0, idx_rows.shape[1], span):
+                idx, valid = idx_rows[:, r0:r0 + span], valid_rows[:, r0:r0 + span]
+                allowed = _tile_mask(xp, layout, rows, idx, valid, causal=causal,
+                                     device=dev)
+                o, l = attend_part(qc, rows_x, host_indices(xp, idx, dev), allowed)
+                acc, lse = (o, l) if acc is None else reference.merge_attention(acc, lse,
+                                                                                o, l)
+            return acc                                                 # (..., G, b, dv)
+
+        outs = parallel_map(attend_chunk, chunks) if len(chunks) > 1 else [
+            attend_chunk(chunks[0])]
+        perm = np.concatenate([c[0] for c in chunks])
     else:
-        outs = [attend_chunk(c) for c in chunks]
-    order = [c[0] for c in chunks]
+        outs, perm = _scanned(xp, layout, qb, p.dv, sizes, attend_part, causal=causal,
+                              device=dev)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)
-    perm = np.concatenate(order)
     if not np.array_equal(perm, np.arange(nqb)):
-        inv = np.empty_like(perm)
-        inv[perm] = np.arange(perm.size)
+        inv = np.empty(nqb, dtype=np.int64)
+        inv[perm[::-1]] = np.arange(perm.size)[::-1]     # each block's first occurrence
         out = xp.take(out, host_indices(xp, inv, dev), axis=out.ndim - 3)
     out = xp.reshape(out, (*out.shape[:-3], nqb * b, p.dv))
     return out[..., :n, :] if nqb * b != n else out
+
+
+_PER_KEY = ("code", "kend", "kstart")     # the mask tables with one entry per key slot
+
+
+def _scanned(xp, layout: BlockLayout, qb, dv, sizes, attend_part, *, causal: bool,
+             device):
+    """The gather plan as loops that ``jax.jit`` traces once: per group of
+    :attr:`BlockLayout.scan_plan`, a :func:`~arrayattn.reference.scan.scan` over chunks of
+    ``step`` query blocks (the last block repeated to fill the last chunk), and in each
+    chunk a scan over parts of ``span`` key blocks (masked slots fill the last part),
+    merged by log-sum-exp.  Returns the groups' outputs ``(..., G', b, dv)`` and the query
+    block of each of their rows."""
+    b = layout.block_size
+    outs, perm = [], []
+    for rows, idx, valid in layout.scan_plan:
+        step, span = sizes(idx.shape[1])
+        step = min(step, rows.size)
+        chunks, parts = -(-rows.size // step), -(-idx.shape[1] // span)
+        fill = chunks * step - rows.size
+        rows, idx, valid = (np.concatenate([x, np.repeat(x[-1:], fill, axis=0)])
+                            for x in (rows, idx, valid))
+        pad = parts * span - idx.shape[1]
+        idx = np.pad(idx, ((0, 0), (0, pad)))
+        valid = np.pad(valid, ((0, 0), (0, pad)))
+        t = _mask_tables(xp, layout, rows, idx, valid, causal=causal, device=device)
+        # (chunks, step, parts, span [* b]) and (chunks, step, b): scanned along axis 0,
+        # then each chunk's parts along axis -2
+        t = {name: xp.reshape(a, (chunks, step, parts, span * b) if name in _PER_KEY
+                              else (chunks, step, b)) for name, a in t.items()}
+        t["idx"] = xp.reshape(host_indices(xp, idx, device), (chunks, step, parts, span))
+        t["rows"] = xp.reshape(host_indices(xp, rows, device), (chunks, step))
+        names = list(t)
+        per_part = [name for name in names if name in ("idx", *_PER_KEY)]
+
+        def chunk(_, *tables):
+            c = dict(zip(names, tables))
+            qc = xp.take(qb, c["rows"], axis=qb.ndim - 3)
+
+            def part(merged, *tiles):
+                tile = {**c, **dict(zip(per_part, tiles))}
+                allowed = _mask_from(xp, layout, tile, causal=causal)
+                o, l = attend_part(qc, c["rows"], tile["idx"], allowed)
+                return reference.merge_attention(*merged, o, l), None
+
+            empty = (xp.zeros((step, b, dv), dtype=qb.dtype, device=device),
+                     xp.full((step, b), -xp.inf, dtype=qb.dtype, device=device))
+            (acc, _), _ = scan(part, empty, [c[name] for name in per_part], axis=-2)
+            return None, acc
+
+        _, out = scan(chunk, None, [t[name] for name in names], axis=0)  # (chunks, ..., step, b, dv)
+        out = xp.permute_dims(out, (*range(1, out.ndim - 3), 0,
+                                    *range(out.ndim - 3, out.ndim)))
+        outs.append(xp.reshape(out, (*out.shape[:-4], chunks * step, *out.shape[-2:])))
+        perm.append(rows)
+    return outs, np.concatenate(perm)
 
 
 def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=False,

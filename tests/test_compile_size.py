@@ -24,9 +24,10 @@ jnp = jax.numpy
 RECORDS = arrayattn.variants()
 IDS = [r.name for r in RECORDS]
 SIZES = (1024, 4096)
-#: Operations allowed to differ between the two sizes (a shape-dependent branch of a
-#: helper, e.g. one padding concat more); a loop unrolled 4x more adds hundreds.
-SLACK = 8
+#: Growth allowed between the two sizes: a shape-dependent branch (a padding concat, the
+#: permutation that puts sparse groups back in order) adds a few to a few dozen
+#: operations; a loop unrolled 4x more at least doubles the program.
+SLACK, GROWTH = 8, 1.1
 
 
 def op_count(lowered) -> int:
@@ -41,7 +42,7 @@ def _ops(fn, *shapes) -> int:
 
 
 def _assert_flat(counts):
-    assert counts[1] <= counts[0] + SLACK, (
+    assert counts[1] <= GROWTH * counts[0] + SLACK, (
         f"the lowered program grows with n: {counts[0]} ops at n={SIZES[0]}, "
         f"{counts[1]} at n={SIZES[1]} (a Python loop over the sequence is unrolled)")
 
@@ -93,7 +94,7 @@ def test_lsh_blocks_of_chunks(monkeypatch):
 def test_pinv_iterations():
     """Razavi's iterations are one loop body whatever their number."""
     counts = [_ops(lambda a: reference.pinv_razavi(a, iters), (2, 32, 32)) for iters in (6, 24)]
-    assert counts[1] <= counts[0] + SLACK
+    _assert_flat(counts)
 
 
 def test_sizes_exercise_the_loops():
