@@ -195,3 +195,33 @@ def test_grad_pinv_razavi():
     rng = np.random.default_rng(9)
     a = rng.standard_normal((2, 6, 6)) + 6 * np.eye(6)
     _check(lambda a: R.pinv_razavi(a, 8), (a,))
+
+
+# --- the scanned block-sparse form ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["numpy", "jax"])
+@pytest.mark.parametrize("budget", [3, 30])
+def test_sparse_uneven_chunks_and_parts(backend, budget, monkeypatch):
+    """Budget 3: parts of 3 key blocks (the last part of a row filled with masked slots);
+    30: chunks of 4 query blocks (the last chunk filled by repeating a block).  With a
+    bias and a key mask: equal to the dense definition."""
+    import arrayattn
+    import arrayattn.sparse.executor as sparse_mod
+
+    lay = arrayattn.bigbird_layout(80, block_size=4, num_random_blocks=2, seed=1,
+                                   causal=True)
+    b, batch, d = 4, 2, 6
+    per_slot = batch * (b * b + b * (d + d))
+    monkeypatch.setattr(sparse_mod, "_CHUNK_ELEMENTS", budget * per_slot + 1)
+    rng = np.random.default_rng(10)
+    q, k, v = _qkv(rng, n=80, d=d, dv=d, batch=(batch,))
+    bias = rng.standard_normal((batch, 80, 80))
+    km = rng.random((batch, 80)) < 0.8
+    ref = arrayattn.softmax_attention(q, k, v, mask=lay.dense_mask(), bias=bias,
+                                      key_mask=km, causal=True)
+    xs = (q, k, v, bias, km) if backend == "numpy" else tuple(jnp.asarray(x) for x in (
+        q, k, v, bias, km))
+    run = lambda q, k, v, bias, km: arrayattn.sparse_attention(   # noqa: E731
+        q, k, v, layout=lay, bias=bias, key_mask=km, causal=True)
+    got = run(*xs) if backend == "numpy" else jax.jit(run)(*xs)   # small: not the engine
+    _close(got, ref, 1e-12)
