@@ -58,15 +58,16 @@ _CHUNK_ELEMENTS = 1 << 23
 # array operations, worth about this much padded work.
 _GROUP_OVERHEAD = 1 << 17
 # Groups of the scanned form (JAX and every non-NumPy-engine path): a bound on the loop
-# bodies of its program (a few, whatever n: a group is a scan over its chunks).
-_SCAN_GROUPS = 4
+# bodies of its program (a group is a scan over its chunks), and the share of the work
+# a group more must save.
+_SCAN_GROUPS, _SCAN_SPLIT = 4, 0.05
 
 
 def _cuts(vals, bounds, tile: int, max_groups):
     """The cheapest cut of the sorted counts into contiguous groups: ``[(u, t)]``, group
     ``u .. t - 1`` padded to ``vals[u]`` key blocks, each group costing its padded work
-    plus ``_GROUP_OVERHEAD`` (``max_groups`` groups when given, fewer only when there
-    are fewer counts)."""
+    plus ``_GROUP_OVERHEAD``; with ``max_groups``, at most that many groups, each saving
+    ``_SCAN_SPLIT`` of the one-group work."""
     m = vals.size
 
     def cost(u, t):
@@ -83,17 +84,21 @@ def _cuts(vals, bounds, tile: int, max_groups):
             segments.append((cut[t], t))
             t = cut[t]
         return segments[::-1]
-    # best[g, t]: the cheapest cut of the first t counts into g + 1 groups
+    # best[g, t]: the least padded work of the first t counts in g + 1 groups; a group
+    # more must save _SCAN_SPLIT of the work of one group (a relative price, so that the
+    # same pattern gets the same number of groups -- the same program -- at every n)
     levels = min(m, max_groups)
     best = np.full((levels, m + 1), np.inf)
     cut = np.zeros((levels, m + 1), dtype=np.int64)
-    best[0, 1:] = [cost(0, t) for t in range(1, m + 1)]
+    best[0, 1:] = [vals[0] * bounds[t] * tile for t in range(1, m + 1)]
     for g in range(1, levels):
         for t in range(g + 1, m + 1):
-            costs = [best[g - 1, u] + cost(u, t) if u >= g else np.inf for u in range(t)]
+            costs = [best[g - 1, u] + vals[u] * (bounds[t] - bounds[u]) * tile
+                     if u >= g else np.inf for u in range(t)]
             cut[g, t] = int(np.argmin(costs))
             best[g, t] = costs[cut[g, t]]
-    segments, t, g = [], m, levels - 1       # as many groups as allowed: one program
+    price = _SCAN_SPLIT * best[0, m]
+    segments, t, g = [], m, int(np.argmin(best[:, m] + price * np.arange(levels)))
     while t > 0:
         u = cut[g, t] if g else 0
         segments.append((u, t))
@@ -311,9 +316,9 @@ class BlockLayout:
 
     @cached_property
     def scan_plan(self) -> tuple:
-        """:attr:`plan` in ``_SCAN_GROUPS`` groups (fewer only when there are fewer
-        distinct counts): each group is one loop body of the scanned form, so its
-        compiled program is the same whatever ``n``."""
+        """:attr:`plan` in at most ``_SCAN_GROUPS`` groups, a group more only where it saves
+        ``_SCAN_SPLIT`` of the work: each group is one loop body of the scanned form, and
+        a pattern gets the same groups (the same program) at every ``n``."""
         return self._plan(_SCAN_GROUPS)
 
     def _plan(self, max_groups) -> tuple:
@@ -803,15 +808,18 @@ def _scanned(xp, layout: BlockLayout, qb, dv, sizes, attend_part, *, causal: boo
             c = dict(zip(names, tables))
             qc = xp.take(qb, c["rows"], axis=qb.ndim - 3)
 
-            def part(merged, *tiles):
+            def attend(*tiles):
                 tile = {**c, **dict(zip(per_part, tiles))}
                 allowed = _mask_from(xp, layout, tile, causal=causal)
-                o, l = attend_part(qc, c["rows"], tile["idx"], allowed)
-                return reference.merge_attention(*merged, o, l), None
+                return attend_part(qc, c["rows"], tile["idx"], allowed)
 
+            if parts == 1:                        # whole rows at once: nothing to merge
+                return None, attend(*(c[name][..., 0, :] for name in per_part))[0]
             empty = (xp.zeros((step, b, dv), dtype=qb.dtype, device=device),
                      xp.full((step, b), -xp.inf, dtype=qb.dtype, device=device))
-            (acc, _), _ = scan(part, empty, [c[name] for name in per_part], axis=-2)
+            (acc, _), _ = scan(lambda merged, *tiles: (
+                reference.merge_attention(*merged, *attend(*tiles)), None),
+                empty, [c[name] for name in per_part], axis=-2)
             return None, acc
 
         _, out = scan(chunk, None, [t[name] for name in names], axis=0)  # (chunks, ..., step, b, dv)
