@@ -184,7 +184,7 @@ def _implied_matrix(be, call, q, k, v_shape, dtype):
     """The first head's implied matrix ``(1, 1, n, s)``.  Where calls are compiled (JAX),
     through the variant's compiled call on the identity's columns in blocks of ``v``'s
     shape -- no program of another shape to compile; elsewhere one call on ``I_s``."""
-    if be.compile(_identity) is _identity:
+    if not _compiles(be):
         return _host(attention_matrix(call, q[:1, :1, ...], k[:1, :1, ...]))
     s, dv = v_shape[-2], v_shape[-1]
     eye = np.eye(s)
@@ -199,6 +199,11 @@ def _implied_matrix(be, call, q, k, v_shape, dtype):
 
 def _identity(fn):
     return fn
+
+
+def _compiles(be) -> bool:
+    """Whether the backend compiles its timed calls (``jax.jit``)."""
+    return be.compile(_identity) is not _identity
 
 
 def _timed(be, call, q, k, v, repeats):
@@ -306,7 +311,10 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
         host = [_round(x, w.dtype) for x in make_inputs(w, case)]
         ref = reference(*host)
         q, k, v = (be.asarray(x, w.dtype) for x in host)
-        ones = be.asarray(np.ones(host[2].shape), w.dtype)   # v's shape: the same program
+        # compiled (JAX): ones of v's shape, the program already compiled (the row sums
+        # are the max over dv identical columns); elsewhere one column
+        ones = be.asarray(np.ones(host[2].shape if _compiles(be) else
+                                  (*host[2].shape[:-1], 1)), w.dtype)
         exact_a = None
         if host[0].shape[-2] <= MATRIX_MAX_N:
             qa, ka = host[0][:1, :1, ...], host[1][:1, :1, ...]
