@@ -300,10 +300,11 @@ def _uniform_call(q, k, v, /, **options):
     ``q``'s shape (a ``k`` of another shape is a call meant for another variant)."""
     check_qkv(q, q, v, names=("q", "q", "v"))    # name q, the argument the caller passed
     check_array("k", k)
-    if tuple(k.shape) != tuple(q.shape):
+    if k.ndim < 2 or tuple(k.shape[-2:]) != tuple(q.shape[-2:]):   # (heads may group)
         raise ValueError(f"lsh is shared-QK attention: the uniform call uses q as qk and "
-                         f"ignores k, so k must have q's shape {tuple(q.shape)}; got "
-                         f"{tuple(k.shape)} (call arrayattn.lsh_attention(qk, v) directly)")
+                         f"ignores k, so k must have q's tokens and width (..., "
+                         f"{q.shape[-2]}, {q.shape[-1]}); got {tuple(k.shape)} (call "
+                         f"arrayattn.lsh_attention(qk, v) directly)")
     return lsh_attention(q, v, **options)
 
 

@@ -65,7 +65,7 @@ BAD_CALLS = {
         ValueError, "initial_state must have shape (..., dk, dv) broadcastable to the batch"),
     "lsh uniform call with a k of another shape": (
         lambda x, q, k, v: arrayattn.get_variant("lsh")(x(q), x(k[..., :3, :]), x(v)),
-        ValueError, "ignores k, so k must have q's shape"),
+        ValueError, "ignores k, so k must have q's tokens and width"),
     "lsh uniform call names q": (
         lambda x, q, k, v: arrayattn.get_variant("lsh")(x(q[..., :5, :]), x(q), x(v)),
         ValueError, "q has"),

@@ -77,11 +77,15 @@ def test_lsh_without_tokens_gives_zeros():
     assert out.shape == (2, 0, 3)
 
 
-def test_nystrom_needs_a_key_per_landmark():
-    """Nyström cannot be defined without keys (a landmark is a mean of >= 1 key)."""
-    with pytest.raises(ValueError, match="num_landmarks=1 exceeds .* s=0"):
-        nystrom_attention(np.ones((5, 4)), np.ones((0, 4)), np.ones((0, 2)),
-                          num_landmarks=1)
+def test_nystrom_without_keys_returns_zeros_and_needs_a_key_per_landmark():
+    """No keys: every query attends to nothing, zeros whatever ``num_landmarks`` (the
+    conventions' s = 0, issue #25); with keys, a landmark is a mean of >= 1 key."""
+    out = nystrom_attention(np.ones((5, 4)), np.ones((0, 4)), np.ones((0, 2)),
+                            num_landmarks=1)
+    assert out.shape == (5, 2) and not out.any()
+    with pytest.raises(ValueError, match="num_landmarks=4 exceeds .* s=3"):
+        nystrom_attention(np.ones((5, 4)), np.ones((3, 4)), np.ones((3, 2)),
+                          num_landmarks=4)
 
 
 @pytest.mark.parametrize("name", FAMILY)
