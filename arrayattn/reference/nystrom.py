@@ -21,7 +21,7 @@ from .scan import fori
 
 __all__ = ["masked_segment_means", "pinv_svd", "pinv_razavi", "nystrom_attention",
            "landmark_attention", "depthwise_conv", "segment_sums", "landmarks", "and_masks",
-           "as_columns", "as_rows"]
+           "as_columns", "as_rows", "razavi_scale"]
 
 
 def segment_sums(x, m: int):
@@ -59,11 +59,10 @@ def pinv_svd(a, rtol: float):
     return array_namespace(a).linalg.pinv(a, rtol=rtol)
 
 
-def pinv_razavi(a, iters: int, init: str = "per_matrix"):
-    r"""Razavi et al. (2014): :math:`Z \leftarrow \tfrac14 Z(13I - AZ(15I - AZ(7I - AZ)))`,
-    :math:`Z_0 = A^\top / (\lVert A\rVert_1 \lVert A\rVert_\infty)`, the norms per matrix
-    (``init="per_matrix"``) or their maxima over the whole batch (``"global"``, as the
-    official Nyströmformer code).  A zero matrix gives ``Z = 0``."""
+def razavi_scale(a, init: str = "per_matrix"):
+    """``(1 / (||A||_1 ||A||_inf), ||A||_1, ||A||_inf)``: the scale of Razavi's start
+    ``Z_0 = A^T / (||A||_1 ||A||_inf)`` (0 for a zero matrix), the norms per matrix or
+    their maxima over the batch (``init="global"``)."""
     xp = array_namespace(a)
     absa = xp.abs(a)
     col = xp.max(xp.sum(absa, axis=-2), axis=-1, keepdims=True)[..., None]   # ||A||_1
@@ -71,8 +70,16 @@ def pinv_razavi(a, iters: int, init: str = "per_matrix"):
     if init == "global":
         col, row = xp.max(col), xp.max(row)
     denom = col * row
-    z = xp.matrix_transpose(a) * xp.where(denom > 0, 1.0 / xp.where(denom > 0, denom, 1.0),
-                                          0.0)
+    return xp.where(denom > 0, 1.0 / xp.where(denom > 0, denom, 1.0), 0.0), col, row
+
+
+def pinv_razavi(a, iters: int, init: str = "per_matrix"):
+    r"""Razavi et al. (2014): :math:`Z \leftarrow \tfrac14 Z(13I - AZ(15I - AZ(7I - AZ)))`,
+    :math:`Z_0 = A^\top / (\lVert A\rVert_1 \lVert A\rVert_\infty)`, the norms per matrix
+    (``init="per_matrix"``) or their maxima over the whole batch (``"global"``, as the
+    official Nyströmformer code).  A zero matrix gives ``Z = 0``."""
+    xp = array_namespace(a)
+    z = xp.matrix_transpose(a) * razavi_scale(a, init)[0]
     eye = xp.eye(a.shape[-2], dtype=a.dtype, device=device(a))
 
     def iteration(z):

@@ -54,8 +54,8 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .masks import masked_softmax, zero_masked_keys
-from .nystrom import (and_masks, as_columns, landmarks, as_rows, segment_sums, depthwise_conv,
-                      pinv_razavi, pinv_svd)
+from .nystrom import (and_masks, as_columns, as_rows, depthwise_conv, landmarks, pinv_razavi,
+                      pinv_svd, razavi_scale, segment_sums)
 
 __all__ = ["masked_segment_means_vjp", "pinv_svd_vjp", "pinv_razavi_vjp",
            "nystrom_attention_vjp", "landmark_attention_vjp", "depthwise_conv_vjp"]
@@ -133,12 +133,7 @@ def pinv_razavi_vjp(a, dz, iters: int, init: str = "per_matrix"):
     recomputed and walked backwards (equations in the module docstring)."""
     xp = array_namespace(a, dz)
     absa = xp.abs(a)
-    col = xp.max(xp.sum(absa, axis=-2), axis=-1, keepdims=True)[..., None]   # ||A||_1
-    row = xp.max(xp.sum(absa, axis=-1), axis=-1, keepdims=True)[..., None]   # ||A||_inf
-    if init == "global":
-        col, row = xp.max(col), xp.max(row)
-    denom = col * row
-    inv = xp.where(denom > 0, 1.0 / xp.where(denom > 0, denom, 1.0), 0.0)
+    inv, col, row = razavi_scale(a, init)
     eye = _eye(a, a.shape[-2])
     zs = [_t(a) * inv]                      # the inputs Z_0 .. Z_{iters-1} of the steps
     for _ in range(iters - 1):
