@@ -765,7 +765,7 @@ def block_sparse_attention(p, q, k, v, layout: BlockLayout, *, causal: bool, key
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)
     if not np.array_equal(perm, np.arange(nqb)):
         inv = np.empty(nqb, dtype=np.int64)
-        inv[perm[::-1]] = np.arange(perm.size)[::-1]     # each block's first occurrence
+        inv[perm] = np.arange(perm.size)
         out = xp.take(out, host_indices(xp, inv, dev), axis=out.ndim - 3)
     out = xp.reshape(out, (*out.shape[:-3], nqb * b, p.dv))
     return out[..., :n, :] if nqb * b != n else out
@@ -778,9 +778,9 @@ def _scanned(xp, layout: BlockLayout, qb, dv, sizes, attend_part, *, causal: boo
              device):
     """The gather plan as loops that ``jax.jit`` traces once: per group of
     :attr:`BlockLayout.scan_plan`, a :func:`~arrayattn.reference.scan.scan` over chunks of
-    ``step`` query blocks (the last block repeated to fill the last chunk), and in each
-    chunk a scan over parts of ``span`` key blocks (masked slots fill the last part),
-    merged by log-sum-exp.  Returns the groups' outputs ``(..., G', b, dv)`` and the query
+    ``step`` query blocks (the last block repeated to fill the last chunk, its repeats
+    dropped after), and in each chunk a scan over parts of ``span`` key blocks (masked
+    slots fill the last part), merged by log-sum-exp.  Returns the groups' outputs ``(..., G', b, dv)`` and the query
     block of each of their rows."""
     b = layout.block_size
     outs, perm = [], []
@@ -825,8 +825,9 @@ def _scanned(xp, layout: BlockLayout, qb, dv, sizes, attend_part, *, causal: boo
         _, out = scan(chunk, None, [t[name] for name in names], axis=0)  # (chunks, ..., step, b, dv)
         out = xp.permute_dims(out, (*range(1, out.ndim - 3), 0,
                                     *range(out.ndim - 3, out.ndim)))
-        outs.append(xp.reshape(out, (*out.shape[:-4], chunks * step, *out.shape[-2:])))
-        perm.append(rows)
+        out = xp.reshape(out, (*out.shape[:-4], chunks * step, *out.shape[-2:]))
+        outs.append(out[..., :rows.size - fill, :, :])            # the repeats dropped
+        perm.append(rows[:rows.size - fill])
     return outs, np.concatenate(perm)
 
 
