@@ -14,9 +14,10 @@ import numpy as np
 from ._validate import (Problem, broadcast_batch, check_array, check_bool_mask, shape_of,
                         check_same_array_kind)
 from ._xp import to_numpy
+from .reference.logits import segment_ids
 
 __all__ = ["check_window", "check_softcap", "check_alibi_slopes", "check_query_mask",
-           "check_dropout", "check_cu_seqlens", "check_callable"]
+           "check_dropout", "check_cu_seqlens", "check_varlen", "check_callable"]
 
 
 def check_window(window, causal: bool):
@@ -122,6 +123,24 @@ def check_cu_seqlens(p: Problem, name: str, cu, total: int, q):
         raise ValueError(f"{name} must start at 0, never decrease and end at the packed "
                          f"length {total}; got {host.tolist()}")
     return cu
+
+
+def check_varlen(p: Problem, cu_seqlens_q, cu_seqlens_k, q):
+    """Packed variable-length sequences: ``(segments, shift)`` -- the segment of every
+    query and key, and each query's end alignment ``s_b - n_b`` -- or ``(None, None)``."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together (packed queries and "
+                         "packed keys)")
+    if cu_seqlens_q is None:
+        return None, None
+    cq = check_cu_seqlens(p, "cu_seqlens_q", cu_seqlens_q, p.n, q)
+    ck = check_cu_seqlens(p, "cu_seqlens_k", cu_seqlens_k, p.s, q)
+    if cq.shape != ck.shape:
+        raise ValueError(f"cu_seqlens_q {tuple(cq.shape)} and cu_seqlens_k "
+                         f"{tuple(ck.shape)} must describe the same number of sequences")
+    seg_q, seg_k = segment_ids(cq, p.n), segment_ids(ck, p.s)
+    shift = p.xp.astype(p.xp.take(ck[1:] - cq[1:], seg_q), p.xp.int64)
+    return (seg_q, seg_k), shift
 
 
 def _concrete(x) -> bool:

@@ -11,23 +11,22 @@ softmax of Milakov & Gimelshein 2018.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from . import reference
 from ._devices import default_block_size
-from ._engine import entry, numpy_engine
 from ._heads import grouped_query_heads
 from ._numpy import exact as engine
 from ._validate import (Problem, check_bias, check_flag, check_key_mask, check_mask,
                         check_positive_int, check_qkv, check_scale)
-from ._validate_options import (check_alibi_slopes, check_callable, check_cu_seqlens,
-                                check_dropout, check_query_mask, check_softcap, check_window)
-from .reference.logits import Logits, segment_ids
-from .reference.finite import drop_nonfinite, nonfinite_rows
-from .reference.masks import zero_masked_keys
+from ._validate_options import (check_alibi_slopes, check_callable, check_dropout,
+                                check_query_mask, check_softcap, check_varlen, check_window)
+from .reference.logits import Logits
+from .pipeline import Spec, Working, run, working
 from .registry import Variant, register
 
-__all__ = ["softmax_attention", "Call", "checked_call", "run", "working_qkv"]
+__all__ = ["softmax_attention", "Call", "checked_call", "SPEC", "working_qkv"]
 
 
 @grouped_query_heads
@@ -144,13 +143,11 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
     >>> lse.shape
     (2, 5)
     """
-    call = checked_call(q, k, v, scale=scale, causal=causal, key_mask=key_mask, mask=mask,
-                        bias=bias, block_size=block_size, window=window, softcap=softcap,
-                        alibi_slopes=alibi_slopes, query_mask=query_mask,
-                        return_lse=return_lse, dropout_mask=dropout_mask,
-                        dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
-                        cu_seqlens_k=cu_seqlens_k, score_mod=score_mod, mask_mod=mask_mod)
-    return run(call, q, k, v)
+    return run(SPEC, q, k, v, scale=scale, causal=causal, key_mask=key_mask, mask=mask,
+               bias=bias, block_size=block_size, window=window, softcap=softcap,
+               alibi_slopes=alibi_slopes, query_mask=query_mask, return_lse=return_lse,
+               dropout_mask=dropout_mask, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
+               cu_seqlens_k=cu_seqlens_k, score_mod=score_mod, mask_mod=mask_mod)
 
 
 @dataclass(frozen=True)
@@ -163,6 +160,10 @@ class Call:
     dropout: tuple | None
     block_size: int | None
     return_lse: bool
+
+    @property
+    def key_mask(self):
+        return self.logits.key_mask
 
 
 def checked_call(q, k, v, *, scale=None, causal=False, key_mask=None, mask=None, bias=None,
@@ -182,23 +183,13 @@ def checked_call(q, k, v, *, scale=None, causal=False, key_mask=None, mask=None,
     block_size = check_positive_int("block_size", block_size, allow_none=True)
     if block_size is not None and block_size >= p.n and block_size >= p.s:
         block_size = None
-    segments = None
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k go together (packed queries and "
-                         "packed keys)")
-    if cu_seqlens_q is not None:
-        cq = check_cu_seqlens(p, "cu_seqlens_q", cu_seqlens_q, p.n, q)
-        ck = check_cu_seqlens(p, "cu_seqlens_k", cu_seqlens_k, p.s, q)
-        if cq.shape != ck.shape:
-            raise ValueError(f"cu_seqlens_q {tuple(cq.shape)} and cu_seqlens_k "
-                             f"{tuple(ck.shape)} must describe the same number of sequences")
-        seg_q, seg_k = segment_ids(cq, p.n), segment_ids(ck, p.s)
-        segments = (seg_q, seg_k)
-        shift = p.xp.astype(p.xp.take(ck[1:] - cq[1:], seg_q), p.xp.int64)
+    segments, seg_shift = check_varlen(p, cu_seqlens_q, cu_seqlens_k, q)
     heads = ()
     if q.ndim >= 3:
         grouped = q.ndim >= 5 and k.shape[-3] == 1 and q.shape[-3] > 1
         heads = (q.shape[-4], q.shape[-3]) if grouped else (q.shape[-3],)
+    if seg_shift is not None:
+        shift = seg_shift
     lg = Logits(scale=check_scale(scale, p.d), shift=p.s - p.n if shift is None else shift,
                 left=left, right=right, softcap=check_softcap(softcap),
                 score_mod=check_callable("score_mod", score_mod), bias=bias,
@@ -210,53 +201,63 @@ def checked_call(q, k, v, *, scale=None, causal=False, key_mask=None, mask=None,
                 check_flag("return_lse", return_lse))
 
 
-def run(call: Call, q, k, v):
-    """Run a validated call: the NumPy engine for large plain NumPy problems, else the
-    reference form (dense, or blockwise with a block size); cast back."""
-    p, lg = call.p, call.logits
-    xp = p.xp
-    if p.s == 0:
-        out = p.zeros()
-        lse = xp.full((*p.batch, p.n), -xp.inf, dtype=p.work_dtype, device=p.device)
-        return (out, lse) if call.return_lse else out
-    wq, wk, wv, bad = working_qkv(p, q, k, v, lg.key_mask)
-    lg = replace(lg, poison=bad)
-    blocks = call.block_size
-    tile = p.n * (min(blocks, p.s) if blocks else p.s)
-    opts = dict(scale=lg.scale, causal=lg.right == 0, key_mask=lg.key_mask, mask=lg.mask)
-    with entry(xp):
-        if (lg.plain and lg.bias is None and call.dropout is None
-                and not call.return_lse and numpy_engine(xp, tile * _batch_size(p) * 4)
-                and not xp.any(bad)):      # NumPy only: the engine has no NaN rows
-            out = (engine.blockwise(wq, wk, wv, block_size=blocks, out_shape=p.out_shape,
-                                    **opts) if blocks else engine.dense(wq, wk, wv, **opts))
-            lse = None
-        elif blocks:
-            out, lse = reference.attention_blockwise(wq, wk, wv, lg, block_size=blocks,
-                                                     dropout=call.dropout)
-        else:
-            out, lse = reference.attention(wq, wk, wv, lg, dropout=call.dropout)
-    out = xp.astype(out, p.dtype, copy=False)
+def _reference(call: Call, w: Working):
+    lg = replace(call.logits, poison=w.bad)
+    if call.block_size:
+        out, lse = reference.attention_blockwise(w.q, w.k, w.v, lg, block_size=call.block_size,
+                                                 dropout=call.dropout)
+    else:
+        out, lse = reference.attention(w.q, w.k, w.v, lg, dropout=call.dropout)
     return (out, lse) if call.return_lse else out
+
+
+def _engine(call: Call, w: Working):
+    lg, blocks = call.logits, call.block_size
+    opts = dict(scale=lg.scale, causal=lg.right == 0, key_mask=lg.key_mask, mask=lg.mask)
+    if blocks:
+        return engine.blockwise(w.q, w.k, w.v, block_size=blocks, out_shape=call.p.out_shape,
+                                **opts)
+    return engine.dense(w.q, w.k, w.v, **opts)
+
+
+def _work(call: Call, w: Working):
+    """The engine's largest temporary (a query block's scores), or ``None`` where the
+    engine does not take the call: options beyond scale/causal/masks, or a key taken out
+    for holding a non-finite value (the engine has no NaN rows)."""
+    lg, p = call.logits, call.p
+    if not lg.plain or lg.bias is not None or call.dropout is not None or call.return_lse:
+        return None
+    if p.xp.any(w.bad):      # NumPy only (the engine runs on NumPy): no device sync
+        return None
+    tile = p.n * (min(call.block_size, p.s) if call.block_size else p.s)
+    return tile * math.prod(p.batch) * 4
+
+
+def _empty(call: Call):
+    p = call.p
+    if not call.return_lse:
+        return p.zeros()
+    lse = p.xp.full((*p.batch, p.n), -p.xp.inf, dtype=p.work_dtype, device=p.device)
+    return p.zeros(), lse
 
 
 def working_qkv(p: Problem, q, k, v, key_mask):
     """``(q, k, v, bad)`` in the working dtype: the rows of masked keys zeroed, and the
     rows of keys whose key or value is not finite zeroed and marked in ``bad (..., s)``
     (they make NaN exactly the rows that see them, :mod:`arrayattn.reference.finite`)."""
-    xp = p.xp
-    wk, wv = zero_masked_keys(key_mask, xp.astype(k, p.work_dtype, copy=False),
-                              xp.astype(v, p.work_dtype, copy=False))
-    bad = nonfinite_rows(wk, wv)
-    wk, wv = drop_nonfinite(bad, wk, wv)
-    return xp.astype(q, p.work_dtype, copy=False), wk, wv, bad
+    return working(p, q, k, v, key_mask, poison=True)
 
 
-def _batch_size(p: Problem) -> int:
-    size = 1
-    for b in p.batch:
-        size *= b
-    return size
+#: The pipeline of :func:`softmax_attention` (and of :func:`~arrayattn.paged_attention`).
+SPEC = Spec(name="softmax_attention", check=checked_call, reference=_reference,
+            engine=_engine, work=_work, poison=lambda call: True, empty=_empty,
+            none_means={"scale": "1/sqrt(d)", "key_mask": "every key is real",
+                        "mask": "no mask", "bias": "no bias",
+                        "block_size": "dense (one block)", "window": "no window",
+                        "softcap": "no soft cap", "alibi_slopes": "no ALiBi",
+                        "query_mask": "every query is real", "dropout_mask": "no dropout",
+                        "cu_seqlens_q": "one sequence", "cu_seqlens_k": "one sequence",
+                        "score_mod": "identity", "mask_mod": "every key visible"})
 
 
 register(Variant(

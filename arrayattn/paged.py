@@ -13,7 +13,8 @@ from __future__ import annotations
 from ._heads import group_heads
 from ._validate import check_array, check_same_array_kind
 from ._xp import xp_device, xp_namespace
-from .exact import checked_call, run
+from .exact import SPEC
+from .pipeline import run
 
 __all__ = ["paged_attention", "gather_pages", "paged_inputs"]
 
@@ -108,8 +109,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, /, **option
     k, v, key_mask, shift = paged_inputs(q, k_cache, v_cache, block_table, cache_seqlens)
     grouped = group_heads(q, k, v, {**options, "key_mask": key_mask})
     if grouped is None:
-        return run(checked_call(q, k, v, key_mask=key_mask, shift=shift, **options), q, k, v)
+        return run(SPEC, q, k, v, key_mask=key_mask, shift=shift, **options)
     qg, kg, vg, opts, ungroup = grouped
     xp = xp_namespace(q)
-    return ungroup(run(checked_call(qg, kg, vg, shift=xp.expand_dims(shift, axis=1), **opts),
-                       qg, kg, vg))
+    return ungroup(run(SPEC, qg, kg, vg, shift=xp.expand_dims(shift, axis=1), **opts))
