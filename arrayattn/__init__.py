@@ -7,8 +7,8 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 from .registry import Variant, attention_matrix, get_variant, register, variants
 from ._engine import use_engine
 from . import reference
-# Import order is registration order: the report, the docs catalogue and the benchmarks
-# list the variants family by family.
+# The registry is built from arrayattn.catalogue.VARIANTS (one table) when first read:
+# importing these modules registers nothing.
 from .exact import softmax_attention
 from .paged import paged_attention
 from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map

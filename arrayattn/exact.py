@@ -24,7 +24,6 @@ from ._validate_options import (check_alibi_slopes, check_callable, check_dropou
                                 check_query_mask, check_softcap, check_varlen, check_window)
 from .reference.logits import Logits
 from .pipeline import Spec, Working, run, working
-from .registry import Variant, register
 
 __all__ = ["softmax_attention", "Call", "checked_call", "SPEC", "working_qkv"]
 
@@ -258,32 +257,3 @@ SPEC = Spec(name="softmax_attention", check=checked_call, reference=_reference,
                         "query_mask": "every query is real", "dropout_mask": "no dropout",
                         "cu_seqlens_q": "one sequence", "cu_seqlens_k": "one sequence",
                         "score_mod": "identity", "mask_mod": "every key visible"})
-
-
-register(Variant(
-    name="softmax",
-    fn=softmax_attention,
-    family="exact",
-    exact=True,
-    causal=True,
-    key_mask=True,
-    mask=True,
-    normalized=True,
-    complexity="O(n s d) time, O(n s) memory",
-    citation="Vaswani et al. 2017, Attention Is All You Need",
-))
-
-register(Variant(
-    name="softmax_blockwise",
-    fn=softmax_attention,
-    family="exact",
-    exact=True,
-    causal=True,
-    key_mask=True,
-    mask=True,
-    normalized=True,
-    defaults={"block_size": "auto"},
-    parameter="block_size",
-    complexity="O(n s d) time, O((n + s) d + block^2) memory",
-    citation="Dao et al. 2022, FlashAttention; Dao 2023, FlashAttention-2",
-))

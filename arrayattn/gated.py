@@ -11,13 +11,15 @@ from ._linear_run import run_gated
 from ._validate import check_flag, check_positive_int, check_qkv, check_seed
 from ._validate_linear import check_gamma, check_gate
 from ._xp import xp_from_host
-from .registry import Variant, register
 # moved (kept importable from here): the decoding step and the family's checks
 from .decoding import gated_attention_step
 from ._validate_linear import checked_gated
 
 __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
            "gated_delta_attention", "retention_gammas",
+           # the registry's uniform calls (arrayattn.catalogue)
+           "default_gammas", "gla_uniform", "ssd_uniform", "delta_uniform",
+           "gated_delta_uniform",
            # the forward's gates, for the backward adapters (arrayattn.backward)
            "retention_log_gates", "drawn_gla_gates", "drawn_ssd_decays",
            "drawn_delta_betas", "drawn_gated_delta_gates",
@@ -311,7 +313,7 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def _default_gammas(q, options: dict) -> dict:
+def default_gammas(q, options: dict) -> dict:
     """RetNet's per-head decays for ``q``'s heads, resolved before grouped-query heads
     split them (query head ``h`` keeps ``gamma_h``)."""
     if options.get("gamma") is not None or getattr(q, "ndim", 0) < 3 or q.shape[-3] == 0:
@@ -355,67 +357,20 @@ def drawn_gated_delta_gates(q, seed):
 
 
 @_checked
-def _gla_call(q, k, v, /, *, seed=0, **options):
+def gla_uniform(q, k, v, /, *, seed=0, **options):
     return gla_attention(q, k, v, drawn_gla_gates(q, seed), **options)
 
 
 @_checked
-def _ssd_call(q, k, v, /, *, seed=0, **options):
+def ssd_uniform(q, k, v, /, *, seed=0, **options):
     return ssd_attention(q, k, v, drawn_ssd_decays(q, seed), **options)
 
 
 @_checked
-def _delta_call(q, k, v, /, *, seed=0, **options):
+def delta_uniform(q, k, v, /, *, seed=0, **options):
     return delta_attention(q, k, v, drawn_delta_betas(q, seed), **options)
 
 
 @_checked
-def _gated_delta_call(q, k, v, /, *, seed=0, **options):
+def gated_delta_uniform(q, k, v, /, *, seed=0, **options):
     return gated_delta_attention(q, k, v, *drawn_gated_delta_gates(q, seed), **options)
-
-
-_GATED = dict(family="gated", exact=False, causal=True, key_mask=True, normalized=False,
-              cross=False)
-_DRAWN = ("drawn on the host with numpy.random.default_rng(seed), in q's dtype and on "
-          "its device")
-
-register(Variant(
-    name="retention", fn=retention, **_GATED, prepare=_default_gammas,
-    complexity="O(n c d + n d dv) time (chunks of c), O(n c + d dv) memory",
-    citation="Sun et al. 2023, Retentive Network: A Successor to Transformer for LLMs",
-    notes="Unnormalised; RetNet's per-head decays 1 - 2^(-5-h) over axis -3.",
-))
-register(Variant(
-    name="gla", fn=gla_attention, call=_gla_call, **_GATED, random=True,
-    defaults={"seed": 0},
-    complexity="O(n c d + n d dv) time, O(n c d) memory (per-dimension pair decays)",
-    citation="Yang et al. 2024, Gated Linear Attention Transformers with "
-             "Hardware-Efficient Training",
-    notes="Uniform call: gates log(sigmoid(N(3, 1))) per token and key dimension, "
-          + _DRAWN + ".",
-))
-register(Variant(
-    name="ssd", fn=ssd_attention, call=_ssd_call, **_GATED, random=True,
-    defaults={"seed": 0},
-    complexity="O(n c d + n d dv) time, O(n c + d dv) memory",
-    citation="Dao & Gu 2024, Transformers are SSMs (Mamba-2)",
-    notes="Uniform call: log decays -exp(N(-2.5, 0.5)) per token, " + _DRAWN + ".",
-))
-register(Variant(
-    name="deltanet", fn=delta_attention, call=_delta_call, **_GATED, random=True,
-    defaults={"seed": 0, "normalize_qk": True},
-    complexity="O(n c d + n d dv + n c^2) time, O(n c + d dv) memory",
-    citation="Schlag et al. 2021; Yang et al. 2024, Parallelizing Linear Transformers "
-             "with the Delta Rule over Sequence Length",
-    notes="Uniform call: beta = sigmoid(N(0, 1)) per token, " + _DRAWN
-          + "; q and k L2-normalised.",
-))
-register(Variant(
-    name="gated_deltanet", fn=gated_delta_attention, call=_gated_delta_call, **_GATED,
-    random=True, defaults={"seed": 0, "normalize_qk": True},
-    complexity="O(n c d + n d dv + n c^2) time, O(n c + d dv) memory",
-    citation="Yang, Kautz & Hatamizadeh 2025, Gated Delta Networks: Improving Mamba2 "
-             "with Delta Rule",
-    notes="Uniform call: beta = sigmoid(N(0, 1)) and log decays log(sigmoid(N(3, 1))) per "
-          "token, " + _DRAWN + "; q and k L2-normalised.",
-))

@@ -11,7 +11,6 @@ from ._numpy import kernel as numpy_kernel
 from ._validate import check_flag, check_key_mask, check_no_causal, check_qkv
 from ._validate_linear import check_kernel_options, checked_maps
 from .feature_maps import FEATURE_MAPS, get_feature_map
-from .registry import Variant, register
 # moved (kept importable from here): the decoding API and the family's checks
 from .decoding import feature_attention_step, linear_attention_state, linear_attention_step
 from ._validate_linear import CAUSAL_METHODS, check_eps, check_state
@@ -258,37 +257,3 @@ def efficient_attention(q, k, v, /, *, causal=False, key_mask=None):
 # ---------------------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------------------
-
-_KATHAROPOULOS = ("Katharopoulos et al. 2020, Transformers are RNNs: Fast Autoregressive "
-                  "Transformers with Linear Attention")
-for _name, _extra in (("elu+1", ""), ("relu", ""), ("cosine", ""),
-                      ("taylor", "; Zhang et al. 2024 (Hedgehog), Arora et al. 2024 (Based)")):
-    register(Variant(
-        name="linear_" + _name.replace("+1", ""),
-        fn=linear_attention,
-        family="kernel",
-        exact=False,
-        causal=True,
-        key_mask=True,
-        normalized=True,
-        defaults={"feature_map": _name},
-        complexity=("O((n + s) m dv) time, m = " + {"elu+1": "d", "relu": "d",
-                                                     "cosine": "d + 1",
-                                                     "taylor": "1 + d + d^2"}[_name]
-                    + "; causal chunked O(n (m + dv) c)"),
-        citation=_KATHAROPOULOS + _extra,
-        notes=("causal=True uses the chunked form (chunk_size=64); a row whose kernel "
-               "sum is zero returns zeros"),
-    ))
-
-register(Variant(
-    name="efficient",
-    fn=efficient_attention,
-    family="kernel",
-    exact=False,
-    causal=False,
-    key_mask=True,
-    normalized=True,
-    complexity="O((n + s) d dv) time and memory",
-    citation="Shen et al. 2021, Efficient Attention: Attention with Linear Complexities",
-))

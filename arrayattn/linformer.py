@@ -20,9 +20,9 @@ from ._validate import (check_array, check_flag, check_key_mask, check_no_causal
                         check_positive_int, check_qkv, check_same_array_kind, check_scale,
                         check_seed)
 from ._xp import xp_from_host, xp_namespace
-from .registry import Variant, register
 
-__all__ = ["linformer_attention", "linformer_projection", "checked_linformer", "host_to_q"]
+__all__ = ["linformer_attention", "linformer_projection", "checked_linformer", "host_to_q",
+           "uniform_call"]
 
 _WHY_NOT_CAUSAL = (
     "every compressed key (E k)_r and value (F v)_r is a mix of all s positions, past "
@@ -188,27 +188,7 @@ def host_to_q(q, x):
     return x
 
 
-def _linformer_call(q, k, v, /, *, e=None, f=None, **options):
+def uniform_call(q, k, v, /, *, e=None, f=None, **options):
     """Uniform-call adapter: host (NumPy) ``e``/``f`` arrays, e.g. read from an ``.npz``
     file, are moved to ``q``'s namespace and device; arrays of ``q``'s kind pass as is."""
     return linformer_attention(q, k, v, e=host_to_q(q, e), f=host_to_q(q, f), **options)
-
-
-register(Variant(
-    name="linformer",
-    fn=linformer_attention,
-    call=_linformer_call,
-    family="low_rank",
-    exact=False,
-    causal=False,
-    key_mask=True,
-    normalized=False,
-    defaults={"proj_dim": 32, "seed": 0},
-    parameter="proj_dim",
-    random=True,
-    complexity="O(n m d + m s d) time, O(n m + m d) memory",
-    citation="Wang et al. 2020, Linformer: Self-Attention with Linear Complexity",
-    notes=("E, F (m, s) drawn N(0, 1/m) from seed (F = E) unless e=/f= are given; host "
-           "NumPy e/f are moved to q's library. Rows of A = softmax(Q(EK)^T) F sum to 1 "
-           "only if F's rows do. key_mask zeroes padded keys/values before projection."),
-))

@@ -20,9 +20,9 @@ from ._engine import dense_reference, entry
 from ._validate import (Problem, check_array, check_flag, check_key_mask, check_positive_int,
                         check_qkv, check_same_array_kind, check_scale, check_seed)
 from ._xp import xp_from_host
-from .registry import Variant, register
 
-__all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets", "checked_lsh", "lsh_scores"]
+__all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets", "checked_lsh", "lsh_scores",
+           "uniform_call"]
 
 
 # ---------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def lsh_scores(p: Problem, rot) -> int:
     return math.prod(p.batch) * rot.shape[-3] * p.n * p.n
 
 
-def _uniform_call(q, k, v, /, **options):
+def uniform_call(q, k, v, /, **options):
     """Registry adapter: ``q`` is the shared ``qk``; ``k`` is ignored, but it must have
     ``q``'s shape (a ``k`` of another shape is a call meant for another variant)."""
     check_qkv(q, q, v, names=("q", "q", "v"))    # name q, the argument the caller passed
@@ -306,25 +306,3 @@ def _uniform_call(q, k, v, /, **options):
                          f"{q.shape[-2]}, {q.shape[-1]}); got {tuple(k.shape)} (call "
                          f"arrayattn.lsh_attention(qk, v) directly)")
     return lsh_attention(q, v, **options)
-
-
-register(Variant(
-    name="lsh",
-    fn=lsh_attention,
-    call=_uniform_call,
-    family="hashing",
-    exact=False,
-    causal=True,
-    key_mask=True,
-    normalized=True,
-    defaults={"num_hashes": 4, "chunk_size": 64, "seed": 0},
-    parameter="num_hashes",
-    complexity="O(H n (log n + C d)) time, O(n d) memory (+ bounded score tiles)",
-    citation="Kitaev, Kaiser & Levskaya 2020, Reformer: The Efficient Transformer",
-    random=True,
-    cross=False,
-    notes=("shared-QK attention: the uniform call uses q as qk and ignores k (keys are "
-           "the l2-normalised q); self-attention only (n = s); causal mode uses a "
-           "sliding window of chunk_size sorted slots so that no future token, not even "
-           "its bucket, changes a past output"),
-))

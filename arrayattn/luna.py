@@ -21,9 +21,8 @@ from ._validate import (check_array, check_flag, check_key_mask, check_no_causal
                         check_positive_int, check_qkv, check_same_array_kind, check_scale,
                         check_seed)
 from ._xp import xp_device, xp_from_host
-from .registry import Variant, register
 
-__all__ = ["luna_attention", "checked_luna", "uniform_inputs"]
+__all__ = ["luna_attention", "checked_luna", "uniform_inputs", "uniform_call", "UNIFORM_PACKED"]
 
 _NOT_CAUSAL = (
     "every packed token P' attends to all s keys, and every output attends to every "
@@ -180,17 +179,17 @@ def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
     return out
 
 
-_UNIFORM_L = 16
+UNIFORM_PACKED = 16
 
 
-def _uniform_call(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
+def uniform_call(q, k, v, /, *, num_packed=UNIFORM_PACKED, seed=0, **options):
     """Registry adapter: ``P`` and (when ``dv != d``) ``W_K`` drawn on the host with
     ``numpy.random.default_rng(seed)`` (``seed`` a non-negative integer)."""
     p, options = uniform_inputs(q, k, v, num_packed=num_packed, seed=seed, **options)
     return luna_attention(q, k, v, p, **options)
 
 
-def uniform_inputs(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
+def uniform_inputs(q, k, v, /, *, num_packed=UNIFORM_PACKED, seed=0, **options):
     """``(P, options)`` of the uniform call: ``P`` drawn, and ``W_K`` added to the
     other options when ``dv != d`` and none is given (shared with the backward)."""
     prob = check_qkv(q, k, v)
@@ -205,26 +204,3 @@ def uniform_inputs(q, k, v, /, *, num_packed=_UNIFORM_L, seed=0, **options):
         options = {**options, "unpack_key_proj": xp_from_host(xp, wk, dtype=q.dtype,
                                                               device=xp_device(q))}
     return p, options
-
-
-register(Variant(
-    name="luna",
-    fn=luna_attention,
-    call=_uniform_call,
-    family="low_rank",
-    exact=False,
-    causal=False,
-    key_mask=True,
-    normalized=True,
-    defaults={"num_packed": _UNIFORM_L, "seed": 0},
-    parameter="num_packed",
-    complexity="O((n + s) l d) time and memory",
-    citation="Ma et al. 2021, Luna: Linear Unified Nested Attention",
-    random=True,
-    cross=True,
-    linear_in_v=False,
-    notes=("the uniform call draws P (num_packed x d, iid N(0, 1), "
-           "numpy default_rng(seed)) and, when dv != d, an unpack key projection "
-           "W_K (dv x d, N(0, 1/dv)) from the same generator; the output is not linear "
-           "in v (the unpack keys are made from the packed values)"),
-))

@@ -26,7 +26,6 @@ from ._validate import (check_array, check_choice, check_flag, check_key_mask,
                         check_same_array_kind, check_scale)
 from ._xp import compute_dtype, xp_device, xp_namespace
 from .linalg import PINV_INITS, PINV_METHODS, check_svd_available
-from .registry import Variant, register
 
 __all__ = ["segment_lengths", "segment_means", "nystrom_attention", "landmark_attention",
            "checked_nystrom", "checked_landmark"]
@@ -381,47 +380,3 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
         else:
             out = reference.landmark_attention(wq, wk, wv, **options)
     return p.xp.astype(out, p.dtype, copy=False)
-
-
-def _register_nystrom(pinv: str, citation: str, notes: str) -> None:
-    # Neither record is ``normalized`` in the registry's sense (rows sum to 1 up to
-    # 16 s eps): the iterative rows only to the pinv residual ||I - AZ||, the SVD rows
-    # to ~eps * cond(A), and the landmark matrix of near-uniform attention has cond
-    # 1e4-1e5.  tests/test_nystrom.py checks both bounds.
-    register(Variant(
-        name=f"nystrom_{pinv}",
-        fn=nystrom_attention,
-        family="low_rank",
-        exact=False,
-        causal=False,
-        key_mask=True,
-        normalized=False,
-        defaults={"num_landmarks": 64, "pinv": pinv},
-        parameter="num_landmarks",
-        complexity="O((n + s) m d + m^3) time, O((n + s) m) memory",
-        citation=citation,
-        notes=notes,
-    ))
-
-
-_register_nystrom(
-    "iterative", "Xiong et al. 2021, Nyströmformer (AAAI); pinv: Razavi et al. 2014",
-    "6 iterations; rows sum to 1 only up to the pseudo-inverse residual ||I - AZ||")
-_register_nystrom(
-    "svd", "Xiong et al. 2021, Nyströmformer (AAAI)",
-    "exact SVD pseudo-inverse (cutoff m*eps); equals exact attention when m = n = s; "
-    "rows sum to 1 to ~eps * cond(landmark matrix)")
-
-register(Variant(
-    name="landmark",
-    fn=landmark_attention,
-    family="low_rank",
-    exact=False,
-    causal=False,
-    key_mask=True,
-    normalized=True,
-    defaults={"num_landmarks": 64},
-    parameter="num_landmarks",
-    complexity="O((n + s) m d) time, O((n + s) m) memory",
-    citation="Xiong et al. 2021, Nyströmformer (AAAI), the two-softmax form",
-))

@@ -40,9 +40,8 @@ from ._validate import (check_choice, check_flag, check_key_mask, check_positive
 from ._validate_linear import NORMS, PROJECTIONS
 from .feature_kinds import EXP_KINDS, FEATURE_KINDS, check_kind, resolve_gerf_a
 from .random_projection import RandomFeatures, as_features
-from .registry import Variant, register
 
-__all__ = ["performer_attention", "checked_performer"]
+__all__ = ["performer_attention", "checked_performer", "uniform_call"]
 
 
 def checked_performer(q, k, v, /, *, features, num_features, kind, projection, norms,
@@ -195,49 +194,10 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
     return xp.astype(out, p.dtype, copy=False)
 
 
-def _uniform_call(q, k, v, /, *, omega=None, **options):
+def uniform_call(q, k, v, /, *, omega=None, **options):
     """The registry's uniform call: ``omega=`` replays a caller's ``(m, d)`` matrix."""
     if omega is not None:
         if options.get("features") is not None:
             raise ValueError("pass either omega or features, not both")
         options["features"] = RandomFeatures.from_matrix(omega)
     return performer_attention(q, k, v, **options)
-
-
-_NOTES = ("omega= (an (m, d) matrix, e.g. a peer's projection loaded from an .npz file) "
-          "replays that projection exactly via RandomFeatures.from_matrix; otherwise one is "
-          "drawn from num_features, projection, norms and seed. One projection is shared by "
-          "all batch elements and heads.")
-
-for _kind, _extra, _causal in (
-        ("positive", "FAVOR+ positive features: unbiased, positive.", True),
-        ("hyperbolic", "2m features [exp(wx), exp(-wx)]: unbiased, positive, lower variance.",
-         True),
-        ("trig", "2m sin/cos features: unbiased kernel but may be negative; the denominator "
-                 "can be near zero or negative on large-norm inputs.", True),
-        ("favor++", "FAVOR++ (Likhosherstov et al. 2022, Chefs' Random Tables): GERF positive "
-                    "features with the variance-optimal A* of the inputs; unbiased, far lower "
-                    "error than FAVOR+ at large norms. Causal only with an explicit gerf_a= "
-                    "(A* depends on every key).", False),
-        ("relu", "Generalized kernel relu(w.x)/sqrt(m) (Performer paper sec. 2.4): not an "
-                 "estimate of softmax; projection='identity' gives relu(x) without "
-                 "projection.", True)):
-    register(Variant(
-        name=f"performer_{_kind.replace('++', 'pp')}",
-        fn=performer_attention,
-        call=_uniform_call,
-        family="random_features",
-        exact=False,
-        causal=_causal,
-        key_mask=True,
-        normalized=True,
-        defaults={"kind": _kind, "num_features": 256, "projection": "orthogonal",
-                  "norms": "chi", "seed": 0},
-        parameter="num_features",
-        random=True,
-        complexity="O((n + s) m d) time, O((n + s) m) memory",
-        citation="Choromanski et al. 2020, Rethinking Attention with Performers (ICLR 2021)"
-                 + ("; Likhosherstov et al. 2022, Chefs' Random Tables (NeurIPS 2022)"
-                    if _kind == "favor++" else ""),
-        notes=f"{_extra} {_NOTES}",
-    ))

@@ -17,7 +17,6 @@ from ._engine import dense_reference, entry
 from ._validate import (check_array, check_band, check_choice, check_flag, check_key_mask,
                         check_positive_int, check_qkv, check_same_array_kind, check_scale)
 from .reference.masks import zero_masked_keys
-from .registry import Variant, register
 from ._xp import xp_from_host
 from .sparse.executor import block_sparse_attention
 from .sparse.layout import BlockLayout, num_blocks
@@ -229,22 +228,3 @@ def dense_masks(c):
     inside = (c.start[:, None] <= pos) & (pos <= c.end[:, None])
     return (c.lay1.dense_mask(xp, device=dev), xp_from_host(xp, inside, dtype=xp.bool, device=dev),
             c.lay2.dense_mask(xp, device=dev))
-
-
-register(Variant(
-    name="poolingformer",
-    fn=pooling_attention,
-    family="sparse",
-    exact=False,
-    causal=True,
-    key_mask=True,
-    normalized=False,
-    defaults={"window": 8, "pool_window": 32, "pool_size": 4, "pool": "mean",
-              "block_size": 16},
-    parameter="pool_window",
-    complexity="O(n (w1 + w2/stride + 2b) d) time and memory",
-    citation="Zhang et al. 2021, Poolingformer: Long Document Modeling with Pooling Attention",
-    notes=("Output = sliding-window attention + attention to mean-pooled keys/values of "
-           "a larger window (separately normalised, so rows of A sum to 2). Level-2 "
-           "projections are the caller's (q2=, k2=, v2=)."),
-))

@@ -1,8 +1,9 @@
-"""The one registry of attention variants.
+"""The one registry of attention variants, built from the catalogue's table.
 
-Each variant module calls :func:`register` once at import; tests, the CLI, the
-benchmarks and the docs iterate over :func:`variants`, so registering a variant is all
-it takes to have it tested, benchmarked and documented.
+The registry holds the records of :data:`arrayattn.catalogue.VARIANTS` (read the first time
+the registry is, in the table's order) and any record a user adds with :func:`register`;
+tests, the CLI, the benchmarks and the docs iterate over :func:`variants`, so a row in the
+table is all it takes to have a variant tested, benchmarked and documented.
 """
 from __future__ import annotations
 
@@ -126,13 +127,33 @@ class Variant:
 
 
 _REGISTRY: dict[str, Variant] = {}
+_BUILT = False
+
+
+def _registry() -> dict[str, Variant]:
+    """The registry, built from the catalogue's table on first use."""
+    global _BUILT
+    if not _BUILT:
+        from .catalogue import VARIANTS
+        table = {}
+        for rec in VARIANTS:
+            if rec.name in table:
+                raise ValueError(f"the catalogue lists {rec.name!r} twice")
+            table[rec.name] = rec
+        added = {name: rec for name, rec in _REGISTRY.items() if name not in table}
+        _REGISTRY.clear()
+        _REGISTRY.update(table)
+        _REGISTRY.update(added)
+        _BUILT = True
+    return _REGISTRY
 
 
 def register(variant: Variant) -> Variant:
     """Add ``variant`` to the registry (names are unique).
 
-    A variant module calls this once at import, so that tests, the report, the
-    benchmarks and the docs pick the variant up.
+    For variants outside arrayattn (arrayattn's own are the rows of
+    :data:`arrayattn.catalogue.VARIANTS`): tests, the report, the benchmarks and the docs
+    then pick the variant up.
 
     Parameters
     ----------
@@ -164,15 +185,17 @@ def register(variant: Variant) -> Variant:
     """
     if not isinstance(variant, Variant):
         raise TypeError(f"register takes a Variant record; got {type(variant).__name__}")
-    if variant.name in _REGISTRY:
+    registry = _registry()
+    if variant.name in registry:
         raise ValueError(f"a variant named {variant.name!r} is already registered")
-    _REGISTRY[variant.name] = variant
+    registry[variant.name] = variant
     return variant
 
 
 def variants(*, family: str | None = None, exact: bool | None = None,
              causal: bool | None = None) -> tuple[Variant, ...]:
-    """All registered variants in registration order, optionally filtered.
+    """All registered variants in the catalogue's order (then those added by
+    :func:`register`), optionally filtered.
 
     Parameters
     ----------
@@ -192,7 +215,7 @@ def variants(*, family: str | None = None, exact: bool | None = None,
     ['softmax', 'softmax_blockwise']
     """
     out = []
-    for rec in _REGISTRY.values():
+    for rec in _registry().values():
         if family is not None and rec.family != family:
             continue
         if exact is not None and rec.exact != exact:
@@ -232,11 +255,12 @@ def get_variant(name: str) -> Variant:
     """
     if isinstance(name, Variant):
         return name
+    registry = _registry()
     try:
-        return _REGISTRY[name]
+        return registry[name]
     except KeyError:
         raise ValueError(
-            f"no variant named {name!r}; registered: {', '.join(_REGISTRY)}"
+            f"no variant named {name!r}; registered: {', '.join(registry)}"
         ) from None
 
 

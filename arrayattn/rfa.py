@@ -47,7 +47,6 @@ from ._validate import (broadcast_batch, check_array, check_choice, check_flag,
 from ._validate_linear import CAUSAL_METHODS, NORMS, PROJECTIONS, check_eps
 from .kernel import feature_attention
 from .random_projection import RandomFeatures, as_features
-from .registry import Variant, register
 
 __all__ = ["rfa_attention", "rfa_features", "checked_rfa"]
 
@@ -308,25 +307,3 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
                                       method=method, chunk_size=chunk_size, eps=eps)
             out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
     return xp.astype(out, p.dtype, copy=False)
-
-
-register(Variant(
-    name="rfa",
-    fn=rfa_attention,
-    family="random_features",
-    exact=False,
-    causal=True,
-    key_mask=True,
-    normalized=True,
-    defaults={"num_features": 128, "sigma": 1.0, "seed": 0},
-    parameter="num_features",
-    random=True,
-    complexity="O((n + s) m (d + dv)) time, O((n + s) m) memory; causal chunked "
-               "O(n m (c + dv))",
-    citation="Peng et al. 2021, Random Feature Attention (ICLR 2021)",
-    notes="Random Fourier (sin/cos) features of l2-normalised q, k at temperature sigma "
-          "(w = omega/sigma, omega iid N(0, I)); estimates softmax attention of q/|q|, "
-          "k/|k| with scale 1/sigma^2. Signed features: the denominator may be near zero. "
-          "The gated recurrence (gate=, causal only) takes the caller's gate and is not "
-          "part of the uniform call.",
-))

@@ -55,7 +55,7 @@ TABLE = {
     feature_attention: _kernel.feature_attention_vjp,
     efficient_attention: _kernel.efficient_attention_vjp,           # efficient
     performer_attention: _performer.performer_attention_vjp,
-    _performer_forward._uniform_call: _performer.uniform_call_vjp,  # performer_* records
+    _performer_forward.uniform_call: _performer.uniform_call_vjp,  # performer_* records
     rfa_attention: _rfa.rfa_attention_vjp,                          # rfa
     delta_attention: _delta.delta_attention_vjp,
     gated_delta_attention: _delta.gated_delta_attention_vjp,

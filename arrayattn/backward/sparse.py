@@ -205,7 +205,7 @@ def local_attention_vjp(q, k, v, do, /, *, window, causal=False, block_size=64, 
 
 def pattern_vjp(builder, **fixed):
     """The backward of a registry record whose uniform call builds its layout from the
-    inputs' ``n`` with ``builder`` (``_pattern_call`` of :mod:`arrayattn.sparse.api`)."""
+    inputs' ``n`` with ``builder`` (``pattern_call`` of :mod:`arrayattn.sparse.api`)."""
     def adapter(q, k, v, do, /, *, scale=None, causal=False, key_mask=None, bias=None,
                 **options):
         check_qkv(q, k, v)

@@ -8,13 +8,13 @@ from .. import reference
 from .._engine import dense_reference, entry
 from .._validate import (check_bias, check_flag, check_key_mask, check_qkv, check_scale)
 from ..reference.masks import zero_masked_keys
-from ..registry import Variant, register
 from .executor import block_sparse_attention
 from .layout import BlockLayout
 from .patterns import (bigbird_layout, fixed_layout, local_layout, longformer_layout,
                        strided_layout)
 
-__all__ = ["sparse_attention", "local_attention", "checked_sparse", "dense_allowed"]
+__all__ = ["sparse_attention", "local_attention", "checked_sparse", "dense_allowed",
+           "pattern_call"]
 
 
 def checked_sparse(q, k, v, *, layout, scale, causal, key_mask, bias):
@@ -173,7 +173,7 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
 # Registry: uniform-call adapters build the layout from the inputs' n.
 # ---------------------------------------------------------------------------------
 
-def _pattern_call(builder, **fixed):
+def pattern_call(builder, **fixed):
     def call(q, k, v, /, *, scale=None, causal=False, key_mask=None, bias=None, **options):
         p = check_qkv(q, k, v)
         causal = check_flag("causal", causal)
@@ -185,48 +185,3 @@ def _pattern_call(builder, **fixed):
                                 key_mask=key_mask, bias=bias)
     call.__name__ = f"{builder.__name__}_attention"
     return call
-
-
-_SPARSE = dict(family="sparse", exact=False, causal=True, key_mask=True, normalized=True)
-
-register(Variant(
-    name="local", fn=local_attention, **_SPARSE,
-    defaults={"window": 16, "block_size": 16}, parameter="window",
-    complexity="O(n (2w + 2b) d) time and memory",
-    citation="Child et al. 2019 (local heads); Beltagy et al. 2020 (sliding window)",
-    notes="window = keys on each side (FlashAttention window_size); end-aligned when n != s.",
-))
-register(Variant(
-    name="longformer", fn=sparse_attention, call=_pattern_call(longformer_layout),
-    **_SPARSE, cross=False,
-    defaults={"window": 8, "global_tokens": (0,), "block_size": 16}, parameter="window",
-    complexity="O(n (2w + 2b + g) d) time and memory",
-    citation="Beltagy et al. 2020, Longformer: The Long-Document Transformer",
-    notes="Layout built from n by longformer_layout(window=, global_tokens=, block_size=).",
-))
-register(Variant(
-    name="bigbird", fn=sparse_attention, call=_pattern_call(bigbird_layout),
-    **_SPARSE, cross=False, random=True,
-    defaults={"block_size": 8, "num_window_blocks": 3, "num_global_blocks": 2,
-              "num_random_blocks": 2, "seed": 0},
-    parameter="num_random_blocks",
-    complexity="O(n (w + g + r) b d) time and memory",
-    citation="Zaheer et al. 2020, Big Bird: Transformers for Longer Sequences",
-    notes="Layout built from n by bigbird_layout(...); random blocks drawn on the host.",
-))
-register(Variant(
-    name="strided", fn=sparse_attention, call=_pattern_call(strided_layout, causal=False),
-    **_SPARSE, cross=False,
-    defaults={"stride": 8, "block_size": 32}, parameter="stride",
-    complexity="O(n (l + n/l) b d) time and memory",
-    citation="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
-    notes="Block-level strided pattern (strided_layout); symmetric unless causal=True.",
-))
-register(Variant(
-    name="fixed", fn=sparse_attention, call=_pattern_call(fixed_layout, causal=False),
-    **_SPARSE, cross=False,
-    defaults={"stride": 8, "summary": 1, "block_size": 32}, parameter="stride",
-    complexity="O(n (l + c n/l) b d) time and memory",
-    citation="Child et al. 2019, Generating Long Sequences with Sparse Transformers",
-    notes="Block-level fixed pattern (fixed_layout); symmetric unless causal=True.",
-))
