@@ -13,7 +13,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .logits import Logits, pick, tile_logits, tile_logits_at
-from .masks import log_total, softmax_lse, visible_rows
+from .masks import log_total, merge_partials, partial_softmax, softmax_lse, visible_rows
 from .scan import cond, scan
 
 __all__ = ["softmax_attention", "softmax_attention_blockwise", "attention",
@@ -46,7 +46,8 @@ def attention_blockwise(q, k, v, lg: Logits, *, block_size: int, dropout=None):
     r"""The same ``(O, L)`` by FlashAttention's online softmax over query and key blocks.
 
     For each query block the running row max ``m``, denominator ``l`` and unnormalised
-    output ``acc`` are carried over the key blocks ``j`` (those of :func:`key_blocks`):
+    output ``acc`` are carried over the key blocks ``j`` (those of :func:`key_blocks`) and
+    merged with each block's own (:func:`~arrayattn.reference.masks.merge_partials`):
     ``m' = max(m, rowmax S_j)``, ``l' = l e^{m - m'} + rowsum e^{S_j - m'}``,
     ``acc' = acc e^{m - m'} + e^{S_j - m'} V_j``; the block's output is ``acc / l`` and
     its ``L = m + log l``.  Memory ``O((n + s) d + block^2)`` per batch element.
@@ -71,23 +72,16 @@ def attention_blockwise(q, k, v, lg: Logits, *, block_size: int, dropout=None):
 
         def key_block(state, t):
             def merge(state):
-                m, l, acc = state
                 at = j_first + t * b + offsets
                 cols = xp.minimum(at, s - 1)
                 x, allowed, _ = tile_logits_at(lg, q, k, rows, cols)
                 if s % b:                                   # the repeated last key
                     real = (at < s)[None, :]
                     allowed = real if allowed is None else allowed & real
-                if allowed is not None:
-                    x = xp.where(allowed, x, -xp.inf)
-                m_new = xp.maximum(m, xp.max(x, axis=-1, keepdims=True))
-                # A row with no allowed key yet keeps m = -inf but is shifted by 0 (no NaN).
-                shift_by = xp.where(m_new == -xp.inf, 0.0, m_new)
-                e = xp.exp(x - shift_by)
-                corr = xp.exp(m - shift_by)
+                m, l, e = partial_softmax(x, allowed)
                 pv = dropped_at(e, dropout, rows, cols) @ visible_rows(pick(v, cols, -2),
                                                                        allowed)
-                return m_new, xp.sum(e, axis=-1, keepdims=True) + corr * l, pv + corr * acc
+                return merge_partials(state, (m, l, pv))
 
             return cond(t < visits, merge, state), None
 

@@ -9,7 +9,7 @@ from array_api_compat import array_namespace
 from .finite import drop_nonfinite, nonfinite_rows, poisoned_logits
 
 __all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys", "attend",
-           "softmax_lse", "log_total", "visible_rows"]
+           "softmax_lse", "log_total", "visible_rows", "partial_softmax", "merge_partials"]
 
 
 def causal_mask(xp, n: int, s: int, *, device, shift: int | None = None, row0: int = 0,
@@ -75,6 +75,35 @@ def softmax_lse(x, allowed=None):
     e = xp.exp(x - m)
     total = xp.sum(e, axis=-1, keepdims=True)
     return e / xp.where(total > 0, total, 1.0), log_total(total, m)[..., 0]
+
+
+def partial_softmax(x, allowed=None):
+    """``(m, l, e)`` of a tile of logits: the row max ``m (..., 1)`` (``-inf`` for a row
+    with no allowed entry), ``l = rowsum e^{x - m}`` and ``e = e^{x - m}`` (0 where not
+    allowed; a row with no allowed entry is shifted by 0, so no ``-inf - -inf``)."""
+    xp = array_namespace(x)
+    if allowed is not None:
+        x = xp.where(allowed, x, -xp.inf)
+    m = xp.max(x, axis=-1, keepdims=True)
+    e = xp.exp(x - xp.where(m == -xp.inf, 0.0, m))
+    return m, xp.sum(e, axis=-1, keepdims=True), e
+
+
+def merge_partials(a, b):
+    r"""Two partial softmax sums over disjoint key sets merged exactly -- the online
+    log-sum-exp (Milakov & Gimelshein 2018) of blockwise attention, of merged sparse
+    parts and of LSH's hash rounds.  Each part is ``(m, l, acc)``: a row max ``m (..., 1)``,
+    ``l = sum e^{x - m}`` ``(..., 1)`` and ``acc = sum e^{x - m} v`` ``(..., dv)``; the
+    sum is taken relative to the larger max, ``c = e^{m_a - m'}``:
+    ``(m', l_a c_a + l_b c_b, acc_a c_a + acc_b c_b)``.  An empty part (``m = -inf``,
+    ``l = 0``) has weight 0 exactly, so it never changes the other bit for bit.  The
+    softmax output is ``acc / l`` and its log-sum-exp ``log_total(l, m)``."""
+    (ma, la, acc_a), (mb, lb, acc_b) = a, b
+    xp = array_namespace(la, lb)
+    m = xp.maximum(ma, mb)
+    shift = xp.where(m == -xp.inf, 0.0, m)
+    ca, cb = xp.exp(ma - shift), xp.exp(mb - shift)
+    return m, la * ca + lb * cb, acc_a * ca + acc_b * cb
 
 
 def log_total(total, m):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
-from .masks import attend, log_total
+from .masks import attend, log_total, merge_partials
 
 __all__ = ["sparse_attention", "gathered_attention", "merge_attention"]
 
@@ -43,14 +43,11 @@ def gathered_attention(q, k, v, idx, allowed, bias=None):
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
     """Two softmax attentions over disjoint key sets merged by their log-sum-exps:
-    ``O = (e^{lse_a} O_a + e^{lse_b} O_b) / (e^{lse_a} + e^{lse_b})``, relative to the
-    larger; an empty part (``lse = -inf``) has weight 0 exactly, so it never changes the
-    other bit for bit.  Returns ``(O, lse)``."""
+    ``O = (e^{lse_a} O_a + e^{lse_b} O_b) / (e^{lse_a} + e^{lse_b})``
+    (:func:`~arrayattn.reference.masks.merge_partials` of the parts ``(lse, 1, O)``); an
+    empty part (``lse = -inf``) has weight 0 exactly.  Returns ``(O, lse)``."""
     xp = array_namespace(out_a, out_b)
-    m = xp.maximum(lse_a, lse_b)
-    m = xp.where(m == -xp.inf, 0.0, m)
-    wa, wb = xp.exp(lse_a - m), xp.exp(lse_b - m)
-    total = wa + wb
-    safe = xp.where(total > 0, total, 1.0)
-    out = out_a * (wa / safe)[..., None] + out_b * (wb / safe)[..., None]
-    return out, log_total(total, m)
+    one = xp.ones_like(lse_a[..., None])
+    m, total, acc = merge_partials((lse_a[..., None], one, out_a),
+                                   (lse_b[..., None], one, out_b))
+    return acc / xp.where(total > 0, total, 1.0), log_total(total, m)[..., 0]
