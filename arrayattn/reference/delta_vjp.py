@@ -82,6 +82,8 @@ time and ``O(n/c d dv + n c)`` memory per head.  The L2 normalisation of ``q`` a
 """
 from __future__ import annotations
 
+import functools
+
 from array_api_compat import array_namespace, device
 
 from .gated import decay_matrix, in_chunks
@@ -168,6 +170,40 @@ def _chunk_constants(k, beta, g, c: int):
     return gam, gamma, e, a, linv
 
 
+def _chunk_back(ds, q_i, k_i, v_i, b_i, gam_i, gamma_i, e_i, a_i, linv_i, do_i, s_i, *,
+                strict, last):
+    """One chunk of :func:`delta_chunked_vjp`, last chunk first: ``dS`` leaving the chunk
+    -> ``dS`` entering it, and the chunk's ``(dq, dk, dW, dbeta, dG)``."""
+    xp = array_namespace(q_i, ds)
+    tr = xp.matrix_transpose
+    ks = k_i @ s_i                                             # k_t S_0
+    w = v_i - gamma_i * ks                                     # W
+    u = linv_i @ (b_i * w)                                     # U = T W
+    qk, kk = q_i @ tr(k_i), k_i @ tr(k_i)
+    du = tr(qk * gam_i) @ do_i + (k_i * e_i) @ ds              # dU
+    dy = tr(linv_i) @ du                                       # L^-T dU
+    dw = b_i * dy
+    db = xp.sum(dy * (w - a_i @ u), axis=-1, keepdims=True)
+    dp = (do_i @ tr(u)) * gam_i                                # dP * Gam
+    da = xp.where(strict, -(b_i * (dy @ tr(u))), 0.0) * gam_i  # dA * Gam
+    dkc = u @ tr(ds)                                           # d(diag(e) K)
+    dq = gamma_i * (do_i @ tr(s_i)) + dp @ k_i
+    dk = (tr(dp) @ q_i + (da + tr(da)) @ k_i + e_i * dkc
+          - gamma_i * (dw @ tr(s_i)))
+    r = xp.where(strict, dp * qk + da * kk, 0.0)              # dGam * Gam
+    de = e_i * xp.sum(dkc * k_i, axis=-1, keepdims=True)
+    gamma_c = gamma_i[..., -1:, :]
+    dgam = gamma_i * (xp.sum(do_i * (q_i @ s_i), axis=-1, keepdims=True)
+                      - xp.sum(dw * ks, axis=-1, keepdims=True))
+    at_end = gamma_c * xp.sum(ds * s_i, axis=(-2, -1), keepdims=True) + xp.sum(
+        de, axis=-2, keepdims=True)
+    dgg = (dgam + xp.sum(r, axis=-1, keepdims=True) - tr(xp.sum(r, axis=-2,
+                                                                keepdims=True))
+           - de + xp.where(last, at_end, 0.0))
+    ds_prev = gamma_c * ds + tr(q_i * gamma_i) @ do_i - tr(k_i * gamma_i) @ dw
+    return ds_prev, (dq, dk, dw, db, dgg)
+
+
 def delta_chunked_vjp(q, k, v, beta, g, s0, do, chunk_size: int):
     """The chunked backward of :func:`~arrayattn.reference.delta_chunked` (the equations
     of the module docstring), the states entering each chunk saved by a forward scan.
@@ -187,34 +223,7 @@ def delta_chunked_vjp(q, k, v, beta, g, s0, do, chunk_size: int):
 
     _, entering = scan(enter, s0, (kc, vc, bc, gamma, e, linv), axis=-3)
 
-    def back(ds, q_i, k_i, v_i, b_i, gam_i, gamma_i, e_i, a_i, linv_i, do_i, s_i):
-        ks = k_i @ s_i                                             # k_t S_0
-        w = v_i - gamma_i * ks                                     # W
-        u = linv_i @ (b_i * w)                                     # U = T W
-        qk, kk = q_i @ tr(k_i), k_i @ tr(k_i)
-        du = tr(qk * gam_i) @ do_i + (k_i * e_i) @ ds              # dU
-        dy = tr(linv_i) @ du                                       # L^-T dU
-        dw = b_i * dy
-        db = xp.sum(dy * (w - a_i @ u), axis=-1, keepdims=True)
-        dp = (do_i @ tr(u)) * gam_i                                # dP * Gam
-        da = xp.where(strict, -(b_i * (dy @ tr(u))), 0.0) * gam_i  # dA * Gam
-        dkc = u @ tr(ds)                                           # d(diag(e) K)
-        dq = gamma_i * (do_i @ tr(s_i)) + dp @ k_i
-        dk = (tr(dp) @ q_i + (da + tr(da)) @ k_i + e_i * dkc
-              - gamma_i * (dw @ tr(s_i)))
-        r = xp.where(strict, dp * qk + da * kk, 0.0)              # dGam * Gam
-        de = e_i * xp.sum(dkc * k_i, axis=-1, keepdims=True)
-        gamma_c = gamma_i[..., -1:, :]
-        dgam = gamma_i * (xp.sum(do_i * (q_i @ s_i), axis=-1, keepdims=True)
-                          - xp.sum(dw * ks, axis=-1, keepdims=True))
-        at_end = gamma_c * xp.sum(ds * s_i, axis=(-2, -1), keepdims=True) + xp.sum(
-            de, axis=-2, keepdims=True)
-        dgg = (dgam + xp.sum(r, axis=-1, keepdims=True) - tr(xp.sum(r, axis=-2,
-                                                                    keepdims=True))
-               - de + xp.where(last, at_end, 0.0))
-        ds_prev = gamma_c * ds + tr(q_i * gamma_i) @ do_i - tr(k_i * gamma_i) @ dw
-        return ds_prev, (dq, dk, dw, db, dgg)
-
+    back = functools.partial(_chunk_back, strict=strict, last=last)
     ds0, (dq, dk, dv, db, dgg) = scan(
         back, xp.zeros_like(s0), (qc, kc, vc, bc, gam, gamma, e, a, linv, doc, entering),
         axis=-3, reverse=True)

@@ -124,28 +124,27 @@ def _zero_state(x, scale):
     return xp.zeros((*lead, *x.shape[-2:]), dtype=x.dtype, device=device(x))
 
 
-def gated_rfa_vjp(phi_q, phi_k, v, g, do, *, key_mask=None, chunk_size=64, eps=0.0):
-    r"""``{"phi_q", "phi_k", "v", "g"}``: the cotangents of
-    :func:`~arrayattn.reference.gated_rfa` (every ``method``: the forms are equal), by
-    the chunked equations in the module docstring; each with its argument's shape."""
-    xp = array_namespace(phi_q, phi_k, v, g, do)
-    dev = device(phi_q)
-    shapes = {"phi_q": phi_q.shape, "phi_k": phi_k.shape, "v": v.shape, "g": g.shape}
+def _gated_inputs(phi_k, v, g, key_mask):
+    """``(phi_k, [v, 1], g, valid)`` as the gated forward sees them: a gate outside
+    ``[0, 1]`` is NaN (it poisons its own and later rows), a masked token has gate 1
+    (it leaves the state unchanged) and zero features and value."""
+    xp = array_namespace(phi_k, v, g)
     valid = (g >= 0.0) & (g <= 1.0)
     g = xp.where(valid, g, xp.nan)
     if key_mask is not None:
         valid = valid & key_mask
         g = xp.where(key_mask, g, 1.0)
     phi_k, v = zero_masked_keys(key_mask, phi_k, v)
-    v1 = xp.concat([v, xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=dev)], axis=-1)
-    n = phi_q.shape[-2]
-    c = min(chunk_size, n)
-    nc, pad = -(-n // c), -n % c
-    tiny = xp.finfo(phi_q.dtype).smallest_normal
-    # the forward's chunk quantities: padding has zero features, log g = 0, weight 0
-    qc, kc, vc, dc = (_chunks(x, nc, c, pad) for x in (phi_q, phi_k, v1, do))
-    lc, wc = (_chunks(x[..., None], nc, c, pad)[..., 0]
-              for x in (xp.log(xp.maximum(g, tiny)), 1 - g))
+    ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=device(v))
+    return phi_k, xp.concat([v, ones], axis=-1), g, valid
+
+
+def _chunk_decays(lc, wc):
+    """The gated forward's tables within each chunk, from its log gates ``lc`` and the
+    input weights ``wc = 1 - g`` ``(..., nc, c)``: ``D_tj`` (decay), ``Gamma_ti``,
+    ``G_t,last``, ``alpha'_t``, ``alpha_t`` and ``B_tj`` (the decay of the row before)."""
+    xp = array_namespace(lc, wc)
+    c, dev = lc.shape[-1], device(lc)
     lower = xp.tril(xp.ones((c, c), dtype=xp.bool, device=dev))
     strict = xp.tril(xp.ones((c, c), dtype=xp.bool, device=dev), k=-1)
     seg = xp.cumulative_sum(xp.where(strict, lc[..., :, None], 0.0), axis=-2)  # log G_jt
@@ -156,6 +155,25 @@ def gated_rfa_vjp(phi_q, phi_k, v, g, do, *, key_mask=None, chunk_size=64, eps=0
     alpha = xp.exp(xp.cumulative_sum(lc, axis=-1, include_initial=True)[..., :-1])
     zero_row = xp.zeros((*decay.shape[:-2], 1, c), dtype=decay.dtype, device=dev)
     before = xp.concat([zero_row, decay[..., :-1, :]], axis=-2)             # B_tj
+    return decay, gamma, last, into, alpha, before
+
+
+def gated_rfa_vjp(phi_q, phi_k, v, g, do, *, key_mask=None, chunk_size=64, eps=0.0):
+    r"""``{"phi_q", "phi_k", "v", "g"}``: the cotangents of
+    :func:`~arrayattn.reference.gated_rfa` (every ``method``: the forms are equal), by
+    the chunked equations in the module docstring; each with its argument's shape."""
+    xp = array_namespace(phi_q, phi_k, v, g, do)
+    shapes = {"phi_q": phi_q.shape, "phi_k": phi_k.shape, "v": v.shape, "g": g.shape}
+    phi_k, v1, g, valid = _gated_inputs(phi_k, v, g, key_mask)
+    n = phi_q.shape[-2]
+    c = min(chunk_size, n)
+    nc, pad = -(-n // c), -n % c
+    tiny = xp.finfo(phi_q.dtype).smallest_normal
+    # the forward's chunk quantities: padding has zero features, log g = 0, weight 0
+    qc, kc, vc, dc = (_chunks(x, nc, c, pad) for x in (phi_q, phi_k, v1, do))
+    lc, wc = (_chunks(x[..., None], nc, c, pad)[..., 0]
+              for x in (xp.log(xp.maximum(g, tiny)), 1 - g))
+    decay, gamma, last, into, alpha, before = _chunk_decays(lc, wc)
     upd = _t(kc * decay[..., -1, :, None]) @ vc                # (..., nc, m, dv + 1)
     whole = into[..., -1, None, None]                          # G_b, (..., nc, 1, 1)
     # entry states S_b (forward scan) and dN from the recomputed outputs
