@@ -6,15 +6,13 @@ Every error names the argument and what is wrong with it, as in :mod:`._validate
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 
 from ._linear_state import LinearAttentionState
-from ._validate import (Problem, broadcast_batch, check_array, check_choice, check_flag,
-                        check_key_mask, check_positive_int, check_qkv,
-                        check_same_array_kind, check_seed)
-from ._xp import host_values, xp_from_host
+from ._validate import (Problem, broadcast_batch, check_array, check_choice,
+                        check_key_mask, check_positive_int, check_same_array_kind,
+                        check_seed)
 
 __all__ = ["CAUSAL_METHODS", "PROJECTIONS", "NORMS", "MAX_OMEGA_BYTES",
            "check_eps", "check_kernel_options", "checked_maps", "check_state",
