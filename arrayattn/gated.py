@@ -96,7 +96,8 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
     >>> bool(np.allclose(retention(q, k, v, gamma=0.9), ((q @ k.swapaxes(-1, -2)) * d) @ v))
     True
     """
-    return run(RETENTION_SPEC, q, k, v, gamma=gamma, causal=causal, key_mask=key_mask, method=method,
+    return run(RETENTION_SPEC, q, k, v, gamma=gamma,
+               causal=causal, key_mask=key_mask, method=method,
                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
                return_state=return_state)
 
@@ -132,7 +133,8 @@ def gla_attention(q, k, v, g, /, *, causal=True, key_mask=None, method="chunked"
     >>> bool(np.allclose(chunked, gla_attention(q, k, v, g, method="recurrent")))
     True
     """
-    return run(GLA_SPEC, q, k, v, g=g, causal=causal, key_mask=key_mask, method=method,
+    return run(GLA_SPEC, q, k, v, g=g,
+               causal=causal, key_mask=key_mask, method=method,
                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
                return_state=return_state)
 
@@ -172,7 +174,8 @@ def ssd_attention(q, k, v, a, /, *, causal=True, key_mask=None, method="chunked"
     >>> bool(np.allclose(ssd_attention(q, k, v, a), (L * (q @ k.swapaxes(1, 2))) @ v))
     True
     """
-    return run(SSD_SPEC, q, k, v, a=a, causal=causal, key_mask=key_mask, method=method,
+    return run(SSD_SPEC, q, k, v, a=a,
+               causal=causal, key_mask=key_mask, method=method,
                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
                return_state=return_state)
 
@@ -219,7 +222,8 @@ def delta_attention(q, k, v, beta, /, *, normalize_qk=False, causal=True, key_ma
     >>> bool(np.allclose(out, rec))
     True
     """
-    return run(DELTA_SPEC, q, k, v, beta=beta, normalize_qk=normalize_qk, causal=causal, key_mask=key_mask, method=method,
+    return run(DELTA_SPEC, q, k, v, beta=beta, normalize_qk=normalize_qk,
+               causal=causal, key_mask=key_mask, method=method,
                chunk_size=chunk_size, scale=scale, initial_state=initial_state,
                return_state=return_state)
 
