@@ -1,5 +1,6 @@
-"""Runs kernel and gated attention on their inputs: checks, the working dtype, masked and
-non-finite keys, the NumPy engine or the reference form (chosen once), the cast back."""
+"""Runs kernel attention on its inputs: checks, the working dtype, masked and non-finite
+keys, the NumPy engine or the reference form (chosen once), the cast back (the gated
+family's run: :mod:`._gated_run`)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +10,9 @@ from ._engine import entry, numpy_engine
 from ._linear_state import LinearAttentionState
 from ._numpy import kernel as numpy_kernel
 from ._validate import Problem, check_flag, check_qkv
-from ._validate_linear import check_kernel_options, check_state, checked_gated
+from ._validate_linear import check_kernel_options, check_state
 
-__all__ = ["run_kernel", "run_features", "run_gated"]
+__all__ = ["run_kernel", "run_features"]
 
 
 def run_kernel(p: Problem, q, k, v, *, batch, causal, key_mask, method, chunk_size, eps,
@@ -77,51 +78,3 @@ def run_features(phi_q, phi_k, v, *, causal, key_mask, eps, method, chunk_size,
     num_tokens = p.s + (0 if state is None else state.num_tokens)
     return out, LinearAttentionState(sz[..., :-1], sz[..., -1], num_tokens,
                                      None if state is None else state.feature_map)
-
-
-def run_gated(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
-              initial_state, return_state, normalize_qk=False):
-    """Gated (``beta=None``) or delta-rule attention with log gates ``g`` and writing
-    strengths ``beta`` (both checked by the caller): validate, mask, dispatch once to the
-    recurrence or the chunked form, cast back."""
-    p, method, chunk_size, return_state, s0, _ = checked_gated(
-        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
-        scale=scale, initial_state=initial_state, return_state=return_state)
-    xp, wd = p.xp, p.work_dtype
-    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    if normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
-        wq, wk = (reference.unit_rows(x)[0] for x in (wq, wk))
-    if scale is not None:
-        wq = wq * float(scale)
-    # A gate outside (0, 1] (g > 0, or NaN) makes the outputs from there on NaN:
-    # checking it would read the device.
-    g = xp.where(g <= 0.0, g, xp.nan)
-    if key_mask is not None:   # a padded token leaves the state as it is
-        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
-        g = xp.where(key_mask[..., None], g, 0.0)
-        beta = None if beta is None else xp.where(key_mask, beta, 0.0)
-    # a non-finite key, value or beta, or a NaN gate, reaches only the rows from its
-    # token on (-inf gates are restarts, not faults)
-    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1)
-    if beta is not None:
-        bad = bad | ~xp.isfinite(beta)
-        beta = xp.where(bad, 0.0, beta)
-    wk, wv = reference.drop_nonfinite(bad, wk, wv)
-    g = xp.where(bad[..., None], 0.0, g)
-    if p.n == 0:
-        out, s = p.zeros(), s0
-    else:
-        with entry(xp):
-            if beta is None and method == "recurrent":
-                out, s = reference.gla_recurrent(wq, wk, wv, g, s0)
-            elif beta is None:
-                out, s = reference.gla_chunked(wq, wk, wv, g, s0, chunk_size)
-            elif method == "recurrent":
-                out, s = reference.delta_recurrent(wq, wk, wv, beta, g, s0)
-            else:
-                out, s = reference.delta_chunked(wq, wk, wv, beta, g, s0, chunk_size)
-        out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
-        out = xp.astype(xp.broadcast_to(out, p.out_shape), p.dtype, copy=False)
-        s = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, s)
-    s = xp.broadcast_to(s, (*p.batch, p.d, p.dv))
-    return (out, xp.astype(s, p.dtype, copy=False)) if return_state else out

@@ -1,30 +1,25 @@
-"""Validation of kernel, gated and random-feature attention: their option values, feature
-maps, gates, decoding states and projections.
+"""Validation of kernel and random-feature attention: their option values, feature maps,
+decoding states and projections (the gated family's: :mod:`._validate_gated`).
 
 Every error names the argument and what is wrong with it, as in :mod:`._validate`.
 """
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 
 from ._linear_state import LinearAttentionState
-from ._validate import (Problem, broadcast_batch, check_array, check_choice, check_flag,
-                        check_key_mask, check_positive_int, check_qkv,
-                        check_same_array_kind, check_seed)
-from ._xp import host_values, xp_from_host
+from ._validate import (Problem, broadcast_batch, check_array, check_choice,
+                        check_key_mask, check_positive_int, check_same_array_kind,
+                        check_seed)
 
-__all__ = ["CAUSAL_METHODS", "GATED_METHODS", "PROJECTIONS", "NORMS", "MAX_OMEGA_BYTES",
+__all__ = ["CAUSAL_METHODS", "PROJECTIONS", "NORMS", "MAX_OMEGA_BYTES",
            "check_eps", "check_kernel_options", "checked_maps", "check_state",
-           "check_gate", "check_decays", "check_initial_state", "checked_gated",
-           "check_gamma", "check_draw", "check_omega", "check_gerf_a"]
+           "check_draw", "check_omega", "check_gerf_a"]
 
 #: The causal forms of kernel attention (equal to rounding).
 CAUSAL_METHODS = ("recurrent", "cumsum", "chunked")
-#: The forms of gated and delta-rule attention.
-GATED_METHODS = ("chunked", "recurrent")
 #: How a random projection is drawn, and its row lengths.
 PROJECTIONS = ("iid", "orthogonal", "identity")
 NORMS = ("chi", "fixed", "quasi")
@@ -103,111 +98,6 @@ def check_state(p: Problem, state, ref, m: int) -> tuple:
             f"{p.work_dtype}; make the state with that dtype"
         )
     return broadcast_batch([("inputs", p.batch), ("state", tuple(state.S.shape[:-2]))])
-
-
-# ---------------------------------------------------------------------------------------
-# Gated and delta-rule attention
-# ---------------------------------------------------------------------------------------
-
-def _broadcasts_to(lead: tuple, batch: tuple) -> bool:
-    return len(lead) <= len(batch) and all(
-        a in (1, b) for a, b in zip(reversed(lead), reversed(batch)))
-
-
-def check_gate(p: Problem, name: str, x, q, *, per_dim: bool):
-    """A real floating gate array ``(..., n)`` (``per_dim=False``) or ``(..., n, dk)``,
-    broadcastable to the batch; returned in the working dtype as ``(..., n, 1)`` or
-    ``(..., n, dk)``."""
-    check_array(name, x)
-    check_same_array_kind(p.xp, "q", q, name, x)
-    if not p.xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype; got {x.dtype}")
-    tail = (p.n, p.d) if per_dim else (p.n,)
-    want = "(..., n, dk) = (..., %d, %d)" % tail if per_dim else f"(..., n) = (..., {p.n})"
-    lead = tuple(x.shape[:x.ndim - len(tail)])
-    if (x.ndim < len(tail) or tuple(x.shape[x.ndim - len(tail):]) != tail
-            or not _broadcasts_to(lead, p.batch)):
-        raise ValueError(f"{name} must have shape {want} broadcastable to the batch "
-                         f"{p.batch}; got shape {tuple(x.shape)}")
-    x = p.xp.astype(x, p.work_dtype, copy=False)
-    return x if per_dim else x[..., None]
-
-
-def check_decays(host, shown):
-    """Retention's decays must lie in ``(0, 1]`` (a NaN or a growth is refused here,
-    not turned into NaN outputs)."""
-    if not np.all((host > 0) & (host <= 1)):
-        bad = host[~((host > 0) & (host <= 1))].ravel()[:4]
-        raise ValueError(f"gamma must be decays in (0, 1]; got {shown!r} (entries such as "
-                         f"{bad.tolist()})")
-
-
-def check_initial_state(p: Problem, state, q):
-    """``initial_state (..., dk, dv)`` broadcast to ``(*batch, dk, dv)`` in the working
-    dtype; ``None`` is zeros."""
-    zeros = p.xp.zeros((*p.batch, p.d, p.dv), dtype=p.work_dtype, device=p.device)
-    if state is None:
-        return zeros
-    check_array("initial_state", state)
-    check_same_array_kind(p.xp, "q", q, "initial_state", state)
-    if not p.xp.isdtype(state.dtype, "real floating"):
-        raise TypeError(f"initial_state must have a real floating dtype (it is not cast); "
-                        f"got {state.dtype}")
-    if (state.ndim < 2 or tuple(state.shape[-2:]) != (p.d, p.dv)
-            or not _broadcasts_to(tuple(state.shape[:-2]), p.batch)):
-        raise ValueError(f"initial_state must have shape (..., dk, dv) broadcastable to the "
-                         f"batch: (*{p.batch}, {p.d}, {p.dv}); got shape "
-                         f"{tuple(state.shape)}")
-    try:
-        return zeros + p.xp.astype(state, p.work_dtype, copy=False)
-    except Exception as exc:   # a batch that does not broadcast
-        raise ValueError(f"initial_state of shape {tuple(state.shape)} does not broadcast "
-                         f"to (*batch, dk, dv) = {(*p.batch, p.d, p.dv)}: its leading axes "
-                         f"{tuple(state.shape[:-2])} must broadcast to the batch "
-                         f"{p.batch}") from exc
-
-
-def checked_gated(q, k, v, *, causal, key_mask, method, chunk_size, scale, initial_state,
-                  return_state, gates=()):
-    """The forward's checks (its backward's too): ``(p, method, chunk_size, return_state,
-    S_0, [gate ...])``, each of ``gates = ((name, array, per_dim), ...)`` checked first."""
-    p = check_qkv(q, k, v)
-    gates = [check_gate(p, name, x, q, per_dim=per_dim) for name, x, per_dim in gates]
-    if not check_flag("causal", causal):
-        raise ValueError("gated and delta-rule attention is causal (a recurrence over the "
-                         "tokens); causal=False is not defined")
-    if p.n != p.s:
-        raise ValueError(f"gated and delta-rule attention needs n == s (self-attention "
-                         f"over one sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    check_key_mask(p, key_mask, q)
-    method = check_choice("method", method, GATED_METHODS)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    return_state = check_flag("return_state", return_state)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(
-            scale, numbers.Real) or not np.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None; got {scale!r}")
-    return p, method, chunk_size, return_state, check_initial_state(p, initial_state, q), gates
-
-
-def check_gamma(p: Problem, gamma, q):
-    """Retention's decays, host numbers or an array ``(..., H)`` in ``(0, 1]``, as an array
-    in the working dtype (a device array of a few decays is read once, like a list)."""
-    xp = p.xp
-    if isinstance(gamma, (numbers.Real, list, tuple, np.ndarray)):   # host numbers
-        host = np.asarray(gamma)
-        if isinstance(gamma, bool) or host.dtype.kind not in "iuf":
-            raise TypeError(f"gamma must hold real numbers; got {gamma!r}")
-        host = host.astype(np.float64)
-        check_decays(host, gamma)
-        return xp_from_host(xp, host, dtype=p.work_dtype, device=p.device)
-    check_array("gamma", gamma)
-    check_same_array_kind(xp, "q", q, "gamma", gamma)
-    if not xp.isdtype(gamma.dtype, ("real floating", "integral")):
-        raise TypeError(f"gamma must hold real numbers; got dtype {gamma.dtype}")
-    host = host_values(gamma)
-    if host is not None:
-        check_decays(host, f"an array of shape {tuple(gamma.shape)}")
-    return xp.astype(gamma, p.work_dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------

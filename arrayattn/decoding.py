@@ -5,10 +5,12 @@ from __future__ import annotations
 import array_api_compat
 
 from ._engine import entry
-from ._linear_run import run_features, run_gated
+from ._gated_run import run_gated
+from ._linear_run import run_features
 from ._linear_state import LinearAttentionState
 from ._validate import check_array, check_flag, check_positive_int, check_qkv
-from ._validate_linear import check_gate, checked_maps
+from ._validate_gated import check_gate
+from ._validate_linear import checked_maps
 from ._xp import compute_dtype
 from .feature_maps import FEATURE_MAPS, FeatureMap, get_feature_map
 

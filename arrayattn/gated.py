@@ -1,19 +1,24 @@
 """The gated and delta-rule attention functions -- RetNet retention, GLA, Mamba-2 SSD,
-DeltaNet and gated DeltaNet -- with their registry records and the gates their uniform
-calls draw."""
+DeltaNet and gated DeltaNet: each a signature, its numpydoc and one pipeline call
+(:mod:`arrayattn.pipeline`; the checks in :mod:`arrayattn._validate_gated`, the forms'
+dispatch in :mod:`arrayattn._gated_run`), and their registry records.
+
+``scale=None`` means *no scale* in this family (fla's gated kernels take the scale
+explicitly), where the rest of the library reads it as ``1/sqrt(d)``.
+"""
 from __future__ import annotations
 
-import numpy as np
-from array_api_compat import array_namespace
-from array_api_compat import device as xp_device
+from dataclasses import replace
 
-from ._linear_run import run_gated
-from ._validate import check_flag, check_positive_int, check_qkv, check_seed
-from ._validate_linear import check_gamma, check_gate
-from ._xp import xp_from_host
+from ._gated_draws import (default_gammas, drawn_delta_betas, drawn_gated_delta_gates,
+                           drawn_gla_gates, drawn_ssd_decays, retention_gammas)
+from ._gated_run import gated_empty, gated_reference
+from ._validate_gated import (check_delta, check_gated_delta, check_gla, check_retention,
+                              check_ssd, drawn_check)
+from .pipeline import Spec, run
 # moved (kept importable from here): the decoding step and the family's checks
 from .decoding import gated_attention_step
-from ._validate_linear import checked_gated
+from ._validate_gated import checked_gated
 
 __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
            "gated_delta_attention", "retention_gammas",
@@ -21,23 +26,14 @@ __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
            "default_gammas", "gla_uniform", "ssd_uniform", "delta_uniform",
            "gated_delta_uniform",
            # the forward's gates, for the backward adapters (arrayattn.backward)
-           "retention_log_gates", "drawn_gla_gates", "drawn_ssd_decays",
+           "drawn_gla_gates", "drawn_ssd_decays",
            "drawn_delta_betas", "drawn_gated_delta_gates",
+           # the pipeline's specs: the public functions' and the registry calls'
+           "NONE_MEANS", "RETENTION_SPEC", "GLA_SPEC", "SSD_SPEC", "DELTA_SPEC",
+           "GATED_DELTA_SPEC",
+           "GLA_CALL_SPEC", "SSD_CALL_SPEC", "DELTA_CALL_SPEC", "GATED_DELTA_CALL_SPEC",
            # moved; re-exported
            "gated_attention_step", "checked_gated"]
-
-
-def retention_gammas(heads: int) -> np.ndarray:
-    """RetNet's per-head decays ``gamma_h = 1 - 2^(-5 - h)``, ``h = 0 ... heads-1`` (Sun
-    et al. 2023, section 2.2), as a host float64 array.
-
-    Examples
-    --------
-    >>> from arrayattn import retention_gammas
-    >>> retention_gammas(3).tolist()
-    [0.96875, 0.984375, 0.9921875]
-    """
-    return 1.0 - 2.0 ** (-5.0 - np.arange(check_positive_int("heads", heads)))
 
 
 def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chunked",
@@ -75,8 +71,9 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
         GLA) are the fastest measured on a CPU at ``d = 64``
         (``benchmarks/bench_gated.py``).
     scale : float, optional
-        Multiplies ``q``; ``None`` means no scale (fla's kernels default to
-        ``dk**-0.5``: pass it to compare).
+        Multiplies ``q``; ``None`` means **no scale** -- unlike the rest of arrayattn,
+        where it means ``1/sqrt(d)``: fla's gated kernels take the scale explicitly (their
+        default is ``dk**-0.5``: pass it to compare).
     initial_state : array ``(..., dk, dv)``, optional
         ``S_0`` (default zeros), e.g. the state returned by an earlier call.
     return_state : bool
@@ -101,24 +98,10 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
     >>> bool(np.allclose(retention(q, k, v, gamma=0.9), ((q @ k.swapaxes(-1, -2)) * d) @ v))
     True
     """
-    return run_gated(q, k, v, retention_log_gates(q, k, v, gamma), None, causal=causal,
-                     key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
-                     initial_state=initial_state, return_state=return_state)
-
-
-def retention_log_gates(q, k, v, gamma):
-    """``log gamma`` checked and laid out as one gate per token ``(..., H, n, 1)``."""
-    p = check_qkv(q, k, v)
-    xp = p.xp
-    if gamma is None:     # (an empty batch of no heads takes one decay, for its shape)
-        gamma = retention_gammas(max(q.shape[-3], 1) if q.ndim >= 3 else 1)
-    # one gate per head: (..., H) -> (..., H, 1, 1), the same at every token
-    g = xp.log(check_gamma(p, gamma, q))
-    g = g[..., None, None] if g.ndim else g
-    if g.ndim >= 3 and q.ndim >= 3 and g.shape[-3] not in (1, q.shape[-3]):
-        raise ValueError(f"gamma has {g.shape[-3]} heads but q has {q.shape[-3]} "
-                         f"(axis -3 of shape {tuple(q.shape)})")
-    return xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device) + g
+    return run(RETENTION_SPEC, q, k, v, gamma=gamma,
+               causal=causal, key_mask=key_mask, method=method,
+               chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+               return_state=return_state)
 
 
 def gla_attention(q, k, v, g, /, *, causal=True, key_mask=None, method="chunked",
@@ -152,10 +135,10 @@ def gla_attention(q, k, v, g, /, *, causal=True, key_mask=None, method="chunked"
     >>> bool(np.allclose(chunked, gla_attention(q, k, v, g, method="recurrent")))
     True
     """
-    g = check_gate(check_qkv(q, k, v), "g", g, q, per_dim=True)
-    return run_gated(q, k, v, g, None, causal=causal, key_mask=key_mask, method=method,
-                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                     return_state=return_state)
+    return run(GLA_SPEC, q, k, v, g=g,
+               causal=causal, key_mask=key_mask, method=method,
+               chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+               return_state=return_state)
 
 
 def ssd_attention(q, k, v, a, /, *, causal=True, key_mask=None, method="chunked",
@@ -193,10 +176,10 @@ def ssd_attention(q, k, v, a, /, *, causal=True, key_mask=None, method="chunked"
     >>> bool(np.allclose(ssd_attention(q, k, v, a), (L * (q @ k.swapaxes(1, 2))) @ v))
     True
     """
-    a = check_gate(check_qkv(q, k, v), "a", a, q, per_dim=False)
-    return run_gated(q, k, v, a, None, causal=causal, key_mask=key_mask, method=method,
-                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                     return_state=return_state)
+    return run(SSD_SPEC, q, k, v, a=a,
+               causal=causal, key_mask=key_mask, method=method,
+               chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+               return_state=return_state)
 
 
 def delta_attention(q, k, v, beta, /, *, normalize_qk=False, causal=True, key_mask=None,
@@ -241,13 +224,10 @@ def delta_attention(q, k, v, beta, /, *, normalize_qk=False, causal=True, key_ma
     >>> bool(np.allclose(out, rec))
     True
     """
-    p = check_qkv(q, k, v)
-    beta = check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
-    g = p.xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device)
-    return run_gated(q, k, v, g, beta, causal=causal, key_mask=key_mask, method=method,
-                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                     return_state=return_state,
-                     normalize_qk=check_flag("normalize_qk", normalize_qk))
+    return run(DELTA_SPEC, q, k, v, beta=beta, normalize_qk=normalize_qk,
+               causal=causal, key_mask=key_mask, method=method,
+               chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+               return_state=return_state)
 
 
 def gated_delta_attention(q, k, v, beta, g, /, *, normalize_qk=False, causal=True,
@@ -284,93 +264,61 @@ def gated_delta_attention(q, k, v, beta, g, /, *, normalize_qk=False, causal=Tru
     >>> bool(np.allclose(same, delta_attention(q, k, v, beta, normalize_qk=True)))
     True
     """
-    p = check_qkv(q, k, v)
-    beta = check_gate(p, "beta", beta, q, per_dim=False)[..., 0]
-    g = check_gate(p, "g", g, q, per_dim=False)
-    return run_gated(q, k, v, g, beta, causal=causal, key_mask=key_mask, method=method,
-                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                     return_state=return_state,
-                     normalize_qk=check_flag("normalize_qk", normalize_qk))
+    return run(GATED_DELTA_SPEC, q, k, v, beta=beta, g=g, normalize_qk=normalize_qk,
+               causal=causal, key_mask=key_mask, method=method,
+               chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+               return_state=return_state)
+
+
+#: What ``None`` means for the family's options.
+NONE_MEANS = {"key_mask": "every token is real",
+              "scale": "no scale: q as given (fla's convention for gated kernels; the rest "
+                       "of arrayattn reads None as 1/sqrt(d))",
+              "initial_state": "zeros"}
+
+
+def _spec(name, check, **none_means):
+    return Spec(name=name, check=check, reference=gated_reference, empty=gated_empty,
+                none_means={**NONE_MEANS, **none_means})
+
+
+#: The pipelines of the public functions (:func:`arrayattn.pipeline.run`).
+RETENTION_SPEC = _spec("retention", check_retention,
+                       gamma="RetNet's 1 - 2^(-5-h) per head (retention_gammas)")
+GLA_SPEC = _spec("gla_attention", check_gla)
+SSD_SPEC = _spec("ssd_attention", check_ssd)
+DELTA_SPEC = _spec("delta_attention", check_delta)
+GATED_DELTA_SPEC = _spec("gated_delta_attention", check_gated_delta)
 
 
 # ---------------------------------------------------------------------------------
-# Registry: the uniform call has no gates; these adapters draw them on the host.
+# Registry: the uniform call has no gates; these calls draw them on the host from seed
+# (arrayattn._gated_draws) after checking q, k, v, which they check once.
 # ---------------------------------------------------------------------------------
 
-def _draw(q, shape, seed, fn):
-    """``fn(rng)`` of ``shape`` drawn with ``numpy.random.default_rng(seed)`` in float64,
-    moved to ``q``'s library and device in ``q``'s dtype."""
-    xp = array_namespace(q)
-    host = fn(np.random.default_rng(check_seed(seed)), shape)
-    return xp_from_host(xp, host, dtype=q.dtype, device=xp_device(q))
+
+GLA_CALL_SPEC = replace(GLA_SPEC, name="gla", check=drawn_check(
+    gla_attention, check_gla, lambda q, seed: {"g": drawn_gla_gates(q, seed)}))
+SSD_CALL_SPEC = replace(SSD_SPEC, name="ssd", check=drawn_check(
+    ssd_attention, check_ssd, lambda q, seed: {"a": drawn_ssd_decays(q, seed)}))
+DELTA_CALL_SPEC = replace(DELTA_SPEC, name="deltanet", check=drawn_check(
+    delta_attention, check_delta, lambda q, seed: {"beta": drawn_delta_betas(q, seed)}))
+GATED_DELTA_CALL_SPEC = replace(GATED_DELTA_SPEC, name="gated_deltanet", check=drawn_check(
+    gated_delta_attention, check_gated_delta,
+    lambda q, seed: dict(zip(("beta", "g"), drawn_gated_delta_gates(q, seed)))))
 
 
-def _log_sigmoid(x):
-    return -np.logaddexp(0.0, -x)
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def default_gammas(q, options: dict) -> dict:
-    """RetNet's per-head decays for ``q``'s heads, resolved before grouped-query heads
-    split them (query head ``h`` keeps ``gamma_h``)."""
-    if options.get("gamma") is not None or getattr(q, "ndim", 0) < 3 or q.shape[-3] == 0:
-        return options
-    xp = array_namespace(q)
-    wd = q.dtype if xp.isdtype(q.dtype, "real floating") else xp.float64
-    gammas = xp_from_host(xp, retention_gammas(q.shape[-3]), dtype=wd, device=xp_device(q))
-    return {**options, "gamma": gammas}
-
-
-def _checked(call):
-    """A uniform-call adapter that validates ``q, k, v`` before drawing anything."""
-    def adapter(q, k, v, /, **options):
-        check_qkv(q, k, v)
-        return call(q, k, v, **options)
-    adapter.__name__ = call.__name__
-    return adapter
-
-
-def drawn_gla_gates(q, seed):
-    """``gla``'s gates: ``log sigmoid(N(3, 1))`` per token and key dimension."""
-    return _draw(q, q.shape, seed, lambda r, s: _log_sigmoid(r.standard_normal(s) + 3.0))
-
-
-def drawn_ssd_decays(q, seed):
-    """``ssd``'s log decays: ``-exp(N(-2.5, 0.5))`` per token."""
-    return _draw(q, q.shape[:-1], seed, lambda r, s: -np.exp(r.normal(-2.5, 0.5, s)))
-
-
-def drawn_delta_betas(q, seed):
-    """``deltanet``'s writing strengths: ``sigmoid(N(0, 1))`` per token."""
-    return _draw(q, q.shape[:-1], seed, lambda r, s: _sigmoid(r.standard_normal(s)))
-
-
-def drawn_gated_delta_gates(q, seed):
-    """``gated_deltanet``'s ``(beta, g)``: ``sigmoid(N(0, 1))`` and
-    ``log sigmoid(N(3, 1))`` per token, in that draw order."""
-    bg = _draw(q, q.shape[:-1], seed, lambda r, s: np.stack([
-        _sigmoid(r.standard_normal(s)), _log_sigmoid(r.standard_normal(s) + 3.0)]))
-    return bg[0, ...], bg[1, ...]
-
-
-@_checked
 def gla_uniform(q, k, v, /, *, seed=0, **options):
-    return gla_attention(q, k, v, drawn_gla_gates(q, seed), **options)
+    return run(GLA_CALL_SPEC, q, k, v, seed=seed, **options)
 
 
-@_checked
 def ssd_uniform(q, k, v, /, *, seed=0, **options):
-    return ssd_attention(q, k, v, drawn_ssd_decays(q, seed), **options)
+    return run(SSD_CALL_SPEC, q, k, v, seed=seed, **options)
 
 
-@_checked
 def delta_uniform(q, k, v, /, *, seed=0, **options):
-    return delta_attention(q, k, v, drawn_delta_betas(q, seed), **options)
+    return run(DELTA_CALL_SPEC, q, k, v, seed=seed, **options)
 
 
-@_checked
 def gated_delta_uniform(q, k, v, /, *, seed=0, **options):
-    return gated_delta_attention(q, k, v, *drawn_gated_delta_gates(q, seed), **options)
+    return run(GATED_DELTA_CALL_SPEC, q, k, v, seed=seed, **options)

@@ -15,36 +15,26 @@ from __future__ import annotations
 
 from .. import reference
 from .._engine import entry
-from .._validate import check_flag, check_qkv
-from .._validate_linear import checked_gated
-from ..gated import drawn_delta_betas, drawn_gated_delta_gates
+from .._validate_gated import GatedCall, check_delta, check_gated_delta
+from ..gated import DELTA_CALL_SPEC, GATED_DELTA_CALL_SPEC
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["delta_attention_vjp", "gated_delta_attention_vjp", "deltanet_vjp",
            "gated_deltanet_vjp"]
 
 
-def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, chunk_size,
-               scale, initial_state, return_state):
-    """Gradients of the forward ``_linear_run.run_gated(q, k, v, g, beta, ...)`` for the
-    arguments the call received (``g=None``: DeltaNet), each summed to its shape."""
-    gates = (("beta", beta, False),) + ((("g", g, False),) if g is not None else ())
-    p, method, chunk_size, _, s0, checked = checked_gated(
-        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
-        scale=scale, initial_state=initial_state, return_state=return_state, gates=gates)
-    normalize_qk = check_flag("normalize_qk", normalize_qk)
+def _delta_vjp(call: GatedCall, q, k, v, do, args: dict):
+    """Gradients of the forward (:func:`arrayattn._gated_run.gated_reference` with
+    ``beta``) for the checked ``call``, for the arguments ``args`` the caller passed
+    (``{"q", "k", "v"[, "beta"][, "g"][, "initial_state"]}``), each summed to its shape."""
+    p, key_mask, scale, s0 = call.p, call.key_mask, call.scale, call.initial_state
     xp, wd = p.xp, p.work_dtype
-    args = {"q": q, "k": k, "v": v, **{name: x for name, x, _ in gates}}
-    if initial_state is not None:
-        args["initial_state"] = initial_state
-    wbeta = checked[0][..., 0]
-    wg = checked[1] if g is not None else xp.zeros((p.n, 1), dtype=wd, device=p.device)
     full = (*p.batch, p.n)
     wq, wk = (xp.broadcast_to(xp.astype(x, wd, copy=False), (*full, p.d)) for x in (q, k))
     wv = xp.broadcast_to(xp.astype(v, wd, copy=False), (*full, p.dv))
     wdo = xp.astype(do, wd, copy=False)
-    beta = xp.broadcast_to(wbeta, full)
-    g = xp.broadcast_to(wg, (*full, 1))
+    beta = xp.broadcast_to(call.beta, full)
+    g = xp.broadcast_to(call.g, (*full, 1))
     valid = g <= 0.0                                    # a gate outside (0, 1]: NaN
     g = xp.where(valid, g, xp.nan)
     if key_mask is not None:       # select masked tokens out before any arithmetic
@@ -52,27 +42,28 @@ def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, 
         wk, wv = reference.zero_masked_keys(km, wk, wv)
         g = xp.where(km[..., None], g, 0.0)
         beta = xp.where(km, beta, 0.0)
-    # the forward's rule (run_gated): a bad token is dropped, the rows from it on are NaN
+    # the forward's rule (_gated_run.prepared): a bad token is dropped, the rows from it on
+    # are NaN
     bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1) | ~xp.isfinite(beta)
     wk, wv = reference.drop_nonfinite(bad, wk, wv)
     g, beta = xp.where(bad[..., None], 0.0, g), xp.where(bad, 0.0, beta)
     rq, rk = wq, wk                                     # before normalisation
-    if normalize_qk:
+    if call.normalize_qk:
         wq, wk = (reference.unit_rows(x)[0] for x in (wq, wk))
     if scale is not None:
-        wq = wq * float(scale)
+        wq = wq * scale
     if p.n == 0:
         zero = xp.zeros((*full, 1), dtype=wd, device=p.device)
         grads = (wq, wk, wv, zero[..., 0], zero, xp.zeros_like(s0))
     else:
         with entry(xp):
-            vjp = (reference.delta_chunked_vjp if method == "chunked"
+            vjp = (reference.delta_chunked_vjp if call.method == "chunked"
                    else reference.delta_recurrent_vjp)
-            grads = vjp(wq, wk, wv, beta, g, s0, wdo, chunk_size)
+            grads = vjp(wq, wk, wv, beta, g, s0, wdo, call.chunk_size)
     dq, dk, dv, dbeta, dg, ds0 = grads
     if scale is not None:
-        dq = dq * float(scale)
-    if normalize_qk:
+        dq = dq * scale
+    if call.normalize_qk:
         with entry(xp):
             dq, dk = reference.unit_rows_vjp(rq, dq), reference.unit_rows_vjp(rk, dk)
     # a gate of 0 (g = -inf) is a restart: d exp(g)/dg = 0 exactly (not a rounding of it)
@@ -83,7 +74,8 @@ def _delta_vjp(q, k, v, do, beta, g, *, normalize_qk, causal, key_mask, method, 
         dbeta = xp.where(km, dbeta, 0.0)
     out = {"q": dq, "k": dk, "v": dv, "beta": dbeta, "g": dg[..., 0], "initial_state": ds0}
     out = reference.poison_prefix_grads(out, bad, p.n, per_token=("beta", "g"))
-    return {name: sum_to_shape(out[name], x.shape) for name, x in args.items()}
+    return {name: sum_to_shape(out[name], x.shape) for name, x in args.items()
+            if x is not None}
 
 
 def delta_attention_vjp(q, k, v, do, /, *, beta, normalize_qk=False, causal=True,
@@ -92,9 +84,11 @@ def delta_attention_vjp(q, k, v, do, /, *, beta, normalize_qk=False, causal=True
     """``{"q", "k", "v", "beta"[, "initial_state"]}`` of
     :func:`~arrayattn.delta_attention` (of its output; ``return_state`` is accepted and
     the final state gets no cotangent)."""
-    return _delta_vjp(q, k, v, do, beta, None, normalize_qk=normalize_qk, causal=causal,
-                      key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
-                      initial_state=initial_state, return_state=return_state)
+    call = check_delta(q, k, v, beta=beta, normalize_qk=normalize_qk, causal=causal,
+                       key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
+                       initial_state=initial_state, return_state=return_state)
+    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v, "beta": beta,
+                                          "initial_state": initial_state})
 
 
 def gated_delta_attention_vjp(q, k, v, do, /, *, beta, g, normalize_qk=False, causal=True,
@@ -104,27 +98,28 @@ def gated_delta_attention_vjp(q, k, v, do, /, *, beta, g, normalize_qk=False, ca
     :func:`~arrayattn.gated_delta_attention` (of its output; ``return_state`` is
     accepted and the final state gets no cotangent).  ``dg`` is the cotangent of the log
     decays; at a gate of 0 (``g = -inf``) it is 0."""
-    return _delta_vjp(q, k, v, do, beta, g, normalize_qk=normalize_qk, causal=causal,
-                      key_mask=key_mask, method=method, chunk_size=chunk_size, scale=scale,
-                      initial_state=initial_state, return_state=return_state)
+    call = check_gated_delta(q, k, v, beta=beta, g=g, normalize_qk=normalize_qk,
+                             causal=causal, key_mask=key_mask, method=method,
+                             chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                             return_state=return_state)
+    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v, "beta": beta, "g": g,
+                                          "initial_state": initial_state})
 
 
-# The uniform call's draws are the forward's own (arrayattn.gated.drawn_*).
+# The uniform call's draws and checks are the forward's own (arrayattn.gated's *_CALL_SPEC).
 
 def deltanet_vjp(q, k, v, do, /, *, seed=0, **options):
     """``{"q", "k", "v"[, "initial_state"]}`` of the uniform call ``deltanet``:
     ``beta = sigmoid(N(0, 1))`` drawn from ``seed`` (no cotangent)."""
-    check_qkv(q, k, v)
-    beta = drawn_delta_betas(q, seed)
-    grads = delta_attention_vjp(q, k, v, do, beta=beta, **options)
-    return {name: x for name, x in grads.items() if name != "beta"}
+    call = DELTA_CALL_SPEC.check(q, k, v, seed=seed, **options)
+    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v,
+                                          "initial_state": options.get("initial_state")})
 
 
 def gated_deltanet_vjp(q, k, v, do, /, *, seed=0, **options):
     """``{"q", "k", "v"[, "initial_state"]}`` of the uniform call ``gated_deltanet``:
     ``beta = sigmoid(N(0, 1))`` and ``g = log sigmoid(N(3, 1))`` drawn from ``seed``
     (no cotangent)."""
-    check_qkv(q, k, v)
-    beta, g = drawn_gated_delta_gates(q, seed)
-    grads = gated_delta_attention_vjp(q, k, v, do, beta=beta, g=g, **options)
-    return {name: x for name, x in grads.items() if name not in ("beta", "g")}
+    call = GATED_DELTA_CALL_SPEC.check(q, k, v, seed=seed, **options)
+    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v,
+                                          "initial_state": options.get("initial_state")})

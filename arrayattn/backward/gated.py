@@ -14,30 +14,23 @@ from __future__ import annotations
 
 from .. import reference
 from .._engine import entry
-from .._validate import check_qkv
-from .._validate_linear import checked_gated
-from ..gated import drawn_gla_gates, drawn_ssd_decays, retention_log_gates
+from .._validate_gated import GatedCall, check_gla, check_retention, check_ssd
+from ..gated import GLA_CALL_SPEC, SSD_CALL_SPEC
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["retention_vjp", "gla_attention_vjp", "ssd_attention_vjp", "gla_call_vjp",
            "ssd_call_vjp"]
 
 
-def _gated_vjp(q, k, v, do, gate, *, causal, key_mask, method, chunk_size, scale,
-               initial_state, return_state):
-    """Gradients of the family's output; ``gate = (name, array, per_dim)`` as the caller
-    passed it, or the log gates ``(..., n, 1)`` already laid out (retention).  ``"g"`` in
-    the result: the cotangent of the checked gates ``(..., n, 1 | dk)``, batch-shaped."""
-    p, method, chunk_size, _, s0, checked = checked_gated(
-        q, k, v, causal=causal, key_mask=key_mask, method=method, chunk_size=chunk_size,
-        scale=scale, initial_state=initial_state, return_state=return_state,
-        gates=(gate,) if isinstance(gate, tuple) else ())
-    xp, wd = p.xp, p.work_dtype
-    g = checked[0] if checked else gate
-    # the forward's preprocessing (_linear_run.run_gated), differentiated below
+def _gated_vjp(call: GatedCall, q, k, v, do):
+    """Gradients of the family's output for the checked ``call``.  ``"g"`` in the result:
+    the cotangent of the checked log gates ``call.g (..., n, 1 | dk)``, batch-shaped."""
+    p, g, key_mask, scale = call.p, call.g, call.key_mask, call.scale
+    xp, wd, s0 = p.xp, p.work_dtype, call.initial_state
+    # the forward's preprocessing (_gated_run.prepared), differentiated below
     wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
     if scale is not None:
-        wq = wq * float(scale)
+        wq = wq * scale
     keep = g <= 0.0                                         # g > 0 or NaN: replaced by NaN
     wg = xp.where(keep, g, xp.nan)
     if key_mask is not None:            # masked tokens: k, v zeroed, gate replaced by 1
@@ -54,12 +47,12 @@ def _gated_vjp(q, k, v, do, gate, *, causal, key_mask, method, chunk_size, scale
         grads = {"q": wq, "k": wk, "v": wv, "g": wg, "initial_state": s0}
         return {name: xp.zeros_like(x) for name, x in grads.items()}
     with entry(xp):
-        if method == "recurrent":
+        if call.method == "recurrent":
             grads = reference.gla_recurrent_vjp(wq, wk, wv, wg, s0, wdo)
         else:
-            grads = reference.gla_chunked_vjp(wq, wk, wv, wg, s0, wdo, chunk_size)
+            grads = reference.gla_chunked_vjp(wq, wk, wv, wg, s0, wdo, call.chunk_size)
     if scale is not None:                                   # wq = scale q
-        grads["q"] = grads["q"] * float(scale)
+        grads["q"] = grads["q"] * scale
     if key_mask is not None:
         grads["k"], grads["v"] = reference.zero_masked_keys(key_mask, grads["k"],
                                                             grads["v"])
@@ -78,10 +71,10 @@ def retention_vjp(q, k, v, do, /, *, gamma=None, causal=True, key_mask=None,
                   return_state=False):
     """``{"q", "k", "v"[, "initial_state"]}`` of :func:`~arrayattn.retention` (``gamma``
     gets no cotangent)."""
-    g = retention_log_gates(q, k, v, gamma)
-    grads = _gated_vjp(q, k, v, do, g, causal=causal, key_mask=key_mask, method=method,
-                       chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                       return_state=return_state)
+    call = check_retention(q, k, v, gamma=gamma, causal=causal, key_mask=key_mask,
+                           method=method, chunk_size=chunk_size, scale=scale,
+                           initial_state=initial_state, return_state=return_state)
+    grads = _gated_vjp(call, q, k, v, do)
     return _shaped(grads, {"q": q, "k": k, "v": v, "initial_state": initial_state})
 
 
@@ -89,9 +82,10 @@ def gla_attention_vjp(q, k, v, do, /, *, g, causal=True, key_mask=None, method="
                       chunk_size=16, scale=None, initial_state=None, return_state=False):
     """``{"q", "k", "v", "g"[, "initial_state"]}`` of :func:`~arrayattn.gla_attention`
     (``g (..., n, dk)``, the log gates, passed as ``g=``)."""
-    grads = _gated_vjp(q, k, v, do, ("g", g, True), causal=causal, key_mask=key_mask,
-                       method=method, chunk_size=chunk_size, scale=scale,
-                       initial_state=initial_state, return_state=return_state)
+    call = check_gla(q, k, v, g=g, causal=causal, key_mask=key_mask, method=method,
+                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                     return_state=return_state)
+    grads = _gated_vjp(call, q, k, v, do)
     return _shaped(grads, {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state})
 
 
@@ -101,26 +95,27 @@ def ssd_attention_vjp(q, k, v, do, /, *, a, causal=True, key_mask=None, method="
     (``a (..., n)``, the log decays ``Delta_t A``, passed as ``a=``; their cotangent is
     that of what was passed: for ``a = dt * A`` the caller's chain rule gives
     ``d dt = A da`` and ``dA = sum(dt da)``)."""
-    grads = _gated_vjp(q, k, v, do, ("a", a, False), causal=causal, key_mask=key_mask,
-                       method=method, chunk_size=chunk_size, scale=scale,
-                       initial_state=initial_state, return_state=return_state)
+    call = check_ssd(q, k, v, a=a, causal=causal, key_mask=key_mask, method=method,
+                     chunk_size=chunk_size, scale=scale, initial_state=initial_state,
+                     return_state=return_state)
+    grads = _gated_vjp(call, q, k, v, do)
     grads["a"] = grads.pop("g")[..., 0]
     return _shaped(grads, {"q": q, "k": k, "v": v, "a": a, "initial_state": initial_state})
 
 
 def gla_call_vjp(q, k, v, do, /, *, seed=0, **options):
     """The registry's ``gla``: gates drawn from ``seed`` as the uniform call draws them
-    (constants: no cotangent)."""
-    check_qkv(q, k, v)
-    grads = gla_attention_vjp(q, k, v, do, g=drawn_gla_gates(q, seed), **options)
-    del grads["g"]
-    return grads
+    (constants: no cotangent); checked as the uniform call checks them, once."""
+    call = GLA_CALL_SPEC.check(q, k, v, seed=seed, **options)
+    grads = _gated_vjp(call, q, k, v, do)
+    return _shaped(grads, {"q": q, "k": k, "v": v,
+                           "initial_state": options.get("initial_state")})
 
 
 def ssd_call_vjp(q, k, v, do, /, *, seed=0, **options):
     """The registry's ``ssd``: log decays drawn from ``seed`` as the uniform call draws
-    them (constants: no cotangent)."""
-    check_qkv(q, k, v)
-    grads = ssd_attention_vjp(q, k, v, do, a=drawn_ssd_decays(q, seed), **options)
-    del grads["a"]
-    return grads
+    them (constants: no cotangent); checked as the uniform call checks them, once."""
+    call = SSD_CALL_SPEC.check(q, k, v, seed=seed, **options)
+    grads = _gated_vjp(call, q, k, v, do)
+    return _shaped(grads, {"q": q, "k": k, "v": v,
+                           "initial_state": options.get("initial_state")})
