@@ -1,7 +1,9 @@
-"""Validation of the low-rank family (Nyströmformer and landmark attention, their segment
-means and pseudo-inverse, Linformer, Luna): one ``checked_<variant>`` per public function,
-returning the frozen call record that the pipeline (:mod:`arrayattn.pipeline`) and the
-backward adapters share.
+"""Validation of the low-rank family: Nyströmformer and landmark attention (with their
+segment means and pseudo-inverse), Linformer's projections, Luna.
+
+``checked_<variant>`` returns the frozen call record that the pipeline
+(:mod:`arrayattn.pipeline`) and the backward adapters share (Linformer's, which draws its
+projection, sits beside :func:`~arrayattn.linformer_projection`).
 
 Every error names the argument and what is wrong with it, as in :mod:`._validate`.
 """
