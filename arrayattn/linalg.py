@@ -12,29 +12,17 @@ matrix.  Two methods are offered:
 from __future__ import annotations
 
 import math
-import numbers
 
 from . import reference
 from ._engine import entry, numpy_engine
 from ._numpy import linalg as engine
-from ._validate import check_array, check_choice, check_flag, check_positive_int
-from ._xp import compute_dtype, xp_device, xp_namespace
+from ._validate import check_flag
+from ._validate_lowrank import PINV_INITS, PINV_METHODS, check_svd_available, checked_pinv
+from ._xp import xp_device
 
+# check_svd_available, checked_pinv and the choices live in the validation module; they
+# stay importable from here.
 __all__ = ["pinv", "check_svd_available", "checked_pinv", "PINV_METHODS", "PINV_INITS"]
-
-PINV_METHODS = ("svd", "iterative")
-PINV_INITS = ("per_matrix", "global")
-
-
-def check_svd_available(xp) -> None:
-    """``method="svd"`` needs the array API ``linalg`` extension: a clear error without it."""
-    linalg = getattr(xp, "linalg", None)
-    if linalg is None or not hasattr(linalg, "pinv"):
-        raise ValueError(
-            f"pinv(method='svd') needs the array API 'linalg' extension, which the "
-            f"namespace {getattr(xp, '__name__', xp)!r} does not provide; use "
-            "method='iterative' (matmuls only)"
-        )
 
 
 def _eye_like(xp, a):
@@ -137,7 +125,7 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
     """
     xp, wa, iters, rtol = checked_pinv(a, method=method, iters=iters, init=init, rtol=rtol)
     return_residual = check_flag("return_residual", return_residual)
-    with entry(xp):
+    with entry(xp):     # not a pipeline call (one matrix, no q, k, v): its own choice
         if method == "iterative":
             z = reference.pinv_razavi(wa, iters, init)
         else:
@@ -149,34 +137,3 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
     if return_residual:
         return out, xp.astype(_residual(xp, wa, z), a.dtype, copy=False)
     return out
-
-
-def checked_pinv(a, /, *, method, iters, init, rtol):
-    """The validation of :func:`pinv` (shared with its backward): ``(xp, a in its working
-    dtype, iters, rtol resolved for "svd")``."""
-    a = check_array("a", a)
-    xp = xp_namespace(a)
-    if a.ndim < 2:
-        raise ValueError(f"a must have at least 2 dimensions (..., p, q); got shape "
-                         f"{tuple(a.shape)}")
-    if not xp.isdtype(a.dtype, "real floating"):
-        raise TypeError(f"a must have a real floating dtype; got {a.dtype}")
-    check_choice("method", method, PINV_METHODS)
-    check_choice("init", init, PINV_INITS)
-    iters = check_positive_int("iters", iters, minimum=0)
-    if method == "svd" and init != "per_matrix":
-        raise ValueError("init applies to method='iterative' only (the SVD needs no "
-                         f"initial guess); got init={init!r}")
-    if rtol is not None:
-        if method != "svd":
-            raise ValueError("rtol applies to method='svd' only (the iterative method has "
-                             "no cutoff: choose iters)")
-        if (isinstance(rtol, bool) or not isinstance(rtol, numbers.Real)
-                or not rtol >= 0):
-            raise ValueError(f"rtol must be a real number >= 0; got {rtol!r}")
-    work = compute_dtype(xp, a.dtype)
-    if method == "svd":
-        check_svd_available(xp)
-        if rtol is None:
-            rtol = max(a.shape[-2], a.shape[-1]) * float(xp.finfo(work).eps)
-    return xp, xp.astype(a, work, copy=False), iters, rtol

@@ -12,23 +12,20 @@ entries; ``F = E`` is the paper's "key-value sharing" variant (section 4).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from . import reference
-from ._engine import entry
-from ._validate import (check_array, check_flag, check_key_mask, check_no_causal,
-                        check_positive_int, check_qkv, check_same_array_kind, check_scale,
-                        check_seed)
-from ._xp import xp_from_host, xp_namespace
+from ._validate import (Problem, check_array, check_flag, check_key_mask, check_no_causal,
+                        check_positive_int, check_qkv, check_scale, check_seed)
+from ._validate_lowrank import LINFORMER_NOT_CAUSAL, check_linformer_projection
+from ._xp import xp_device, xp_from_host, xp_namespace
+from .pipeline import Spec, Working, run
 
-__all__ = ["linformer_attention", "linformer_projection", "checked_linformer", "host_to_q",
-           "uniform_call"]
-
-_WHY_NOT_CAUSAL = (
-    "every compressed key (E k)_r and value (F v)_r is a mix of all s positions, past "
-    "and future, so no query can be restricted to its past; use a causal variant "
-    "(softmax, local, linear) instead"
-)
+__all__ = ["linformer_attention", "linformer_projection", "LinformerCall",
+           "checked_linformer", "SPEC", "host_to_q", "uniform_call"]
 
 
 def linformer_projection(proj_dim: int, s: int, *, seed=0) -> np.ndarray:
@@ -52,29 +49,25 @@ def linformer_projection(proj_dim: int, s: int, *, seed=0) -> np.ndarray:
     return rng.standard_normal((proj_dim, s)) / np.sqrt(proj_dim)
 
 
-def _check_projection(p, name, x, q):
-    x = check_array(name, x)
-    check_same_array_kind(p.xp, "q", q, name, x)
-    if not p.xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype; got {x.dtype}")
-    if x.ndim < 2 or x.shape[-1] != p.s:
-        raise ValueError(
-            f"{name} must have shape (..., m, s) with s={p.s} keys; got shape {tuple(x.shape)}"
-        )
-    try:
-        np.broadcast_shapes(tuple(x.shape[:-2]), p.batch)
-    except ValueError:
-        raise ValueError(
-            f"{name} of shape {tuple(x.shape)} has leading dimensions that do not broadcast "
-            f"with the inputs' batch {p.batch}"
-        ) from None
+@dataclass(frozen=True)
+class LinformerCall:
+    """A validated :func:`linformer_attention` call: ``e`` and ``f`` in the working dtype
+    (``f is e`` when ``f`` was not given; ``e`` drawn from ``seed`` when not given)."""
+
+    p: Problem
+    key_mask: Any
+    scale: float
+    e: Any
+    f: Any
 
 
-def checked_linformer(q, k, v, *, e, f, proj_dim, seed, scale, key_mask, causal):
-    """The forward's checks, shared with the backward: ``(problem, scale, E, F)``, ``E``
-    and ``F`` in the working dtype (``F is E`` when ``f`` is not given)."""
+def checked_linformer(q, k, v, *, e, f, proj_dim, seed, scale, key_mask,
+                      causal) -> LinformerCall:
+    """The validation of :func:`linformer_attention`, shared with its backward; ``E``
+    drawn here (:func:`linformer_projection`) when not given."""
     p = check_qkv(q, k, v)
-    check_no_causal(check_flag("causal", causal), "linformer_attention", _WHY_NOT_CAUSAL)
+    check_no_causal(check_flag("causal", causal), "linformer_attention",
+                    LINFORMER_NOT_CAUSAL)
     check_key_mask(p, key_mask, q)
     scale = check_scale(scale, p.d)
     xp, wd = p.xp, p.work_dtype
@@ -85,19 +78,19 @@ def checked_linformer(q, k, v, *, e, f, proj_dim, seed, scale, key_mask, causal)
         e = xp_from_host(xp, linformer_projection(proj_dim, p.s, seed=seed),
                          dtype=wd, device=p.device)
     else:
-        _check_projection(p, "e", e, q)
+        check_linformer_projection(p, "e", e, q)
         e = xp.astype(e, wd, copy=False)
     if f is None:
         f = e
     else:
-        _check_projection(p, "f", f, q)
+        check_linformer_projection(p, "f", f, q)
         if f.shape[-2] != e.shape[-2]:
             raise ValueError(
                 f"e and f must project to the same m; got e {tuple(e.shape)}, "
                 f"f {tuple(f.shape)}"
             )
         f = xp.astype(f, wd, copy=False)
-    return p, scale, e, f
+    return LinformerCall(p, key_mask, scale, e, f)
 
 
 def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, scale=None,
@@ -165,23 +158,35 @@ def linformer_attention(q, k, v, /, *, e=None, f=None, proj_dim=256, seed=0, sca
     >>> bool(np.allclose(linformer_attention(q, k, v, e=eye), softmax_attention(q, k, v)))
     True
     """
-    p, scale, e, f = checked_linformer(q, k, v, e=e, f=f, proj_dim=proj_dim, seed=seed,
-                                      scale=scale, key_mask=key_mask, causal=causal)
-    xp, wd = p.xp, p.work_dtype
+    return run(SPEC, q, k, v, e=e, f=f, proj_dim=proj_dim, seed=seed, scale=scale,
+               key_mask=key_mask, causal=causal)
+
+
+def _reference(call: LinformerCall, w: Working):
+    return reference.linformer_attention(w.q, w.k, w.v, call.e, call.f, scale=call.scale,
+                                         key_mask=call.key_mask)
+
+
+def _empty(call: LinformerCall):
+    """No key: zeros of the inputs' batch.  No query or no batch element: the empty
+    output of the reference form, whose batch is also that of ``e`` and ``f``."""
+    p = call.p
     if p.s == 0:
         return p.zeros()
-    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    with entry(xp):
-        out = reference.linformer_attention(wq, wk, wv, e, f, scale=scale,
-                                            key_mask=key_mask)
-    return xp.astype(out, p.dtype, copy=False)
+    batch = np.broadcast_shapes(p.batch, tuple(call.e.shape[:-2]), tuple(call.f.shape[:-2]))
+    return p.xp.zeros((*batch, p.n, p.dv), dtype=p.dtype, device=p.device)
+
+
+#: The pipeline of :func:`linformer_attention`.
+SPEC = Spec(name="linformer_attention", check=checked_linformer, reference=_reference,
+            empty=_empty,
+            none_means={"e": "drawn N(0, 1/proj_dim) from seed", "f": "F = E",
+                        "scale": "1/sqrt(d)", "key_mask": "every key is real"})
 
 
 def host_to_q(q, x):
     """A host (NumPy) ``x`` moved to ``q``'s namespace and device when ``q`` is not NumPy
     (the uniform call's rule for ``e``/``f``); anything else as is."""
-    from ._xp import xp_device
-
     if isinstance(x, np.ndarray) and not isinstance(q, np.ndarray):
         xp = xp_namespace(check_array("q", q))
         return xp_from_host(xp, x, dtype=q.dtype, device=xp_device(q))

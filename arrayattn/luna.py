@@ -13,66 +13,15 @@ both exact softmax attention over ``l`` keys or from ``l`` queries: ``O((n + s) 
 """
 from __future__ import annotations
 
-import numpy as np
-
 from . import reference
 from ._engine import entry
-from ._validate import (check_array, check_flag, check_key_mask, check_no_causal,
-                        check_positive_int, check_qkv, check_same_array_kind, check_scale,
-                        check_seed)
-from ._xp import xp_device, xp_from_host
+from ._validate import check_qkv
+from ._validate_lowrank import (LUNA_UNIFORM_L, LunaCall, checked_luna,
+                                checked_luna_uniform, luna_uniform_draw)
+from .pipeline import Spec, Working, run, working
 
-__all__ = ["luna_attention", "checked_luna", "uniform_inputs", "uniform_call", "UNIFORM_PACKED"]
-
-_NOT_CAUSAL = (
-    "every packed token P' attends to all s keys, and every output attends to every "
-    "packed token, so each output depends on every key and value; the paper's causal "
-    "Luna needs a different (cumulative, per-position) packing that is not implemented"
-)
-
-
-def _check_projection(p, name, w, ref, rows, cols_name):
-    if w is None:
-        return None
-    w = check_array(name, w)
-    check_same_array_kind(p.xp, "q", ref, name, w)
-    if not p.xp.isdtype(w.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype; got {w.dtype}")
-    if w.ndim < 2 or w.shape[-2] != rows:
-        raise ValueError(
-            f"{name} must have shape (..., dv, {cols_name}) with dv={rows} (the value "
-            f"dimension of the packed sequence); got shape {tuple(w.shape)}"
-        )
-    return w
-
-
-def checked_luna(q, k, v, p, *, scale, causal, key_mask, unpack_key_proj,
-                 unpack_value_proj):
-    """The forward's checks, shared with the backward: ``(problem, pack problem, scale,
-    (q, k, v, p, W_K, W_V))``, the arrays in the working dtype (``W = None`` if absent)."""
-    prob = check_qkv(q, k, v)
-    check_no_causal(check_flag("causal", causal), "luna_attention", _NOT_CAUSAL)
-    check_key_mask(prob, key_mask, q)
-    p = check_array("p", p)
-    packp = check_qkv(p, k, v, names=("p", "k", "v"))
-    check_same_array_kind(prob.xp, "q", q, "p", p)
-    wk = _check_projection(prob, "unpack_key_proj", unpack_key_proj, q, prob.dv, "d")
-    wv = _check_projection(prob, "unpack_value_proj", unpack_value_proj, q, prob.dv,
-                           "dv2")
-    if wk is None and prob.dv != prob.d:
-        raise ValueError(
-            f"the unpack step attends with keys P' of dimension dv={prob.dv} but q has "
-            f"d={prob.d}; pass unpack_key_proj of shape (dv, d) = ({prob.dv}, {prob.d})"
-        )
-    if wk is not None and wk.shape[-1] != prob.d:
-        raise ValueError(
-            f"unpack_key_proj must map dv={prob.dv} to d={prob.d}; got shape "
-            f"{tuple(wk.shape)}"
-        )
-    scale = check_scale(scale, prob.d)
-    xp, wd = prob.xp, prob.work_dtype
-    return prob, packp, scale, tuple(None if x is None else xp.astype(x, wd, copy=False)
-                                     for x in (q, k, v, p, wk, wv))
+__all__ = ["luna_attention", "checked_luna", "uniform_inputs", "SPEC", "UNIFORM_SPEC",
+           "uniform_call", "UNIFORM_PACKED"]
 
 
 def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
@@ -156,51 +105,69 @@ def luna_attention(q, k, v, p, /, *, scale=None, causal=False, key_mask=None,
     >>> bool(np.allclose(const, 2.5))
     True
     """
-    prob, packp, scale, (wq, wk_, wv_, wp, proj_k, proj_v) = checked_luna(
-        q, k, v, p, scale=scale, causal=causal, key_mask=key_mask,
-        unpack_key_proj=unpack_key_proj, unpack_value_proj=unpack_value_proj)
-    return_packed = check_flag("return_packed", return_packed)
-    xp, wd = prob.xp, prob.work_dtype
+    return run(SPEC, q, k, v, p=p, scale=scale, causal=causal, key_mask=key_mask,
+               unpack_key_proj=unpack_key_proj, unpack_value_proj=unpack_value_proj,
+               return_packed=return_packed)
+
+
+def _result(call: LunaCall, out, packed):
+    """What the call returns: ``out``, or ``(out, packed)`` with ``return_packed``, both
+    in the caller's dtype."""
+    xp = call.p.xp
+    out = xp.astype(out, call.p.dtype, copy=False)
+    return (out, xp.astype(packed, call.pack.dtype, copy=False)) if call.return_packed else out
+
+
+def _reference(call: LunaCall, w: Working):
+    out, packed = reference.luna_attention(
+        w.q, w.k, w.v, call.packed_queries, scale=call.scale, key_mask=call.key_mask,
+        unpack_key_proj=call.unpack_key_proj, unpack_value_proj=call.unpack_value_proj)
+    return _result(call, out, packed)
+
+
+def _empty(call: LunaCall):
+    """No key: every packed token attends to nothing (zeros), and so every output is a
+    mean of zero values.  No query or no batch element: the output is empty, but the
+    packed sequence is still the keys packed (the reference form)."""
+    prob, xp = call.p, call.p.xp
     with entry(xp):
-        if prob.s == 0:
-            # No key: every packed token attends to nothing (zeros), and so every output
-            # is a mean of zero values.
-            packed = xp.zeros((*packp.batch, packp.n, prob.dv), dtype=wd, device=prob.device)
-            values = packed if proj_v is None else packed @ proj_v
-            out = xp.zeros((*prob.batch, prob.n, values.shape[-1]), dtype=wd,
-                           device=prob.device)
-        else:
-            out, packed = reference.luna_attention(
-                wq, wk_, wv_, wp, scale=scale, key_mask=key_mask, unpack_key_proj=proj_k,
-                unpack_value_proj=proj_v)
-    out = xp.astype(out, prob.dtype, copy=False)
-    if return_packed:
-        return out, xp.astype(packed, packp.dtype, copy=False)
-    return out
+        if prob.s > 0:
+            return _reference(call, working(prob, *call.qkv, call.key_mask))
+        packed = xp.zeros((*call.pack.batch, call.pack.n, prob.dv), dtype=prob.work_dtype,
+                          device=prob.device)
+        values = packed if call.unpack_value_proj is None else packed @ call.unpack_value_proj
+        out = xp.zeros((*prob.batch, prob.n, values.shape[-1]), dtype=prob.work_dtype,
+                       device=prob.device)
+    return _result(call, out, packed)
 
 
-UNIFORM_PACKED = 16
+_NONE_MEANS = {"scale": "1/sqrt(d)", "key_mask": "every key is real",
+               "unpack_key_proj": "the identity (needs dv == d)",
+               "unpack_value_proj": "the identity"}
+
+#: The pipeline of :func:`luna_attention`.
+SPEC = Spec(name="luna_attention", check=checked_luna, reference=_reference, empty=_empty,
+            none_means=_NONE_MEANS)
+
+#: The pipeline of the uniform call (``luna`` in the registry): ``P`` (and ``W_K`` when
+#: ``dv != d``) drawn from ``seed`` by the check, ``q, k, v`` checked once.
+UNIFORM_SPEC = Spec(name="luna", check=checked_luna_uniform, reference=_reference,
+                    empty=_empty,
+                    none_means={**_NONE_MEANS,
+                                "unpack_key_proj": "the identity, or drawn when dv != d"})
+
+
+UNIFORM_PACKED = LUNA_UNIFORM_L
 
 
 def uniform_call(q, k, v, /, *, num_packed=UNIFORM_PACKED, seed=0, **options):
     """Registry adapter: ``P`` and (when ``dv != d``) ``W_K`` drawn on the host with
     ``numpy.random.default_rng(seed)`` (``seed`` a non-negative integer)."""
-    p, options = uniform_inputs(q, k, v, num_packed=num_packed, seed=seed, **options)
-    return luna_attention(q, k, v, p, **options)
+    return run(UNIFORM_SPEC, q, k, v, num_packed=num_packed, seed=seed, **options)
 
 
 def uniform_inputs(q, k, v, /, *, num_packed=UNIFORM_PACKED, seed=0, **options):
     """``(P, options)`` of the uniform call: ``P`` drawn, and ``W_K`` added to the
     other options when ``dv != d`` and none is given (shared with the backward)."""
-    prob = check_qkv(q, k, v)
-    xp = prob.xp
-    num_packed = check_positive_int("num_packed", num_packed)
-    d, dv = prob.d, prob.dv
-    rng = np.random.default_rng(check_seed(seed))
-    p = xp_from_host(xp, rng.standard_normal((num_packed, d)), dtype=q.dtype,
-                     device=xp_device(q))
-    if dv != d and options.get("unpack_key_proj") is None:
-        wk = rng.standard_normal((dv, d)) / np.sqrt(dv)
-        options = {**options, "unpack_key_proj": xp_from_host(xp, wk, dtype=q.dtype,
-                                                              device=xp_device(q))}
-    return p, options
+    return luna_uniform_draw(check_qkv(q, k, v), q, num_packed=num_packed, seed=seed,
+                             options=options)

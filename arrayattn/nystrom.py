@@ -15,23 +15,18 @@ official code divides q and k by :math:`d^{1/4}` each, which is the same thing).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from . import reference
 from ._numpy import nystrom as engine
 from ._engine import entry, numpy_engine
-from ._validate import (check_array, check_choice, check_flag, check_key_mask,
-                        check_no_causal, check_positive_int, check_qkv,
-                        check_same_array_kind, check_scale)
-from ._xp import compute_dtype, xp_device, xp_namespace
-from .linalg import PINV_INITS, PINV_METHODS, check_svd_available
+from ._validate_lowrank import (LandmarkCall, NystromCall, checked_landmark,
+                                checked_nystrom, checked_segment_means)
+from ._xp import compute_dtype, xp_device
+from .pipeline import Spec, Working, run
 
 __all__ = ["segment_lengths", "segment_means", "nystrom_attention", "landmark_attention",
-           "checked_nystrom", "checked_landmark"]
-
-_NOT_CAUSAL = ("its landmarks are means over segments of the whole sequence, so every "
-               "output would depend on future tokens")
+           "checked_nystrom", "checked_landmark", "NYSTROM_SPEC", "LANDMARK_SPEC"]
 
 
 def segment_lengths(n: int, m: int) -> list[int]:
@@ -95,30 +90,10 @@ def segment_means(x, m, /, *, key_mask=None, return_counts=False):
     >>> means[:, 0], counts
     (array([1., 0.]), array([2., 0.]))
     """
-    x = check_array("x", x)
-    xp = xp_namespace(x, key_mask, names=("x", "key_mask"))
-    if x.ndim < 2:
-        raise ValueError(f"x must have at least 2 dimensions (..., n, c); got shape "
-                         f"{tuple(x.shape)}")
-    if not xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"x must have a real floating dtype; got {x.dtype}")
-    n = x.shape[-2]
-    m = check_positive_int("m", m)
-    if m > n:
-        raise ValueError(f"m={m} segments cannot be formed from n={n} tokens "
-                         f"(x of shape {tuple(x.shape)}); need m <= n")
-    if key_mask is not None:
-        check_same_array_kind(xp, "x", x, "key_mask", key_mask)
-        if key_mask.dtype != xp.bool:
-            raise TypeError(f"key_mask must be a boolean array (True = keep); got dtype "
-                            f"{key_mask.dtype}")
-        if key_mask.ndim < 1 or key_mask.shape[-1] != n:
-            raise ValueError(f"key_mask must have shape (..., n) with n={n} tokens; got "
-                             f"shape {tuple(key_mask.shape)}")
-    return_counts = check_flag("return_counts", return_counts)
+    xp, m, return_counts = checked_segment_means(x, m, key_mask, return_counts)
     work = compute_dtype(xp, x.dtype)
     wx = xp.astype(x, work, copy=False)
-    with entry(xp):
+    with entry(xp):     # not a pipeline call (one array, no q, k, v): its own choice
         if numpy_engine(xp, 4 * math.prod(x.shape)):
             means, counts = engine.segment_means(wx, m, key_mask)
         else:
@@ -127,88 +102,8 @@ def segment_means(x, m, /, *, key_mask=None, return_counts=False):
     if not return_counts:
         return means
     if counts is None:
-        counts = xp.asarray(segment_lengths(n, m), dtype=work, device=xp_device(x))
+        counts = xp.asarray(segment_lengths(x.shape[-2], m), dtype=work, device=xp_device(x))
     return means, xp.astype(counts, x.dtype, copy=False)
-
-
-def _check_query_mask(p, query_mask, q):
-    """``query_mask (..., n)`` boolean, broadcastable to the batch."""
-    if query_mask is None:
-        return None
-    if query_mask.ndim < 1 or query_mask.shape[-1] != p.n:
-        raise ValueError(f"query_mask must have shape (..., n) with n={p.n} queries; got "
-                         f"shape {tuple(query_mask.shape)}")
-    # The same dtype, device and batch checks as a key mask, on the query axis.
-    return check_key_mask(dataclasses.replace(p, s=p.n), query_mask, q, name="query_mask")
-
-
-def _prepare(p, q, k, v, *, num_landmarks, scale, key_mask, query_mask, causal, variant):
-    """Validation shared by both variants; the working arrays and resolved options."""
-    check_no_causal(check_flag("causal", causal), variant, _NOT_CAUSAL)
-    check_key_mask(p, key_mask, q)
-    _check_query_mask(p, query_mask, q)
-    m = check_positive_int("num_landmarks", num_landmarks)
-    if m > min(p.n, p.s) and min(p.n, p.s) > 0:   # no tokens: zeros, whatever m
-        raise ValueError(
-            f"{variant}: num_landmarks={m} exceeds the number of queries n={p.n} or keys "
-            f"s={p.s}; each landmark is the mean of at least one token (use m <= "
-            f"{min(p.n, p.s)})")
-    xp = p.xp
-    work = [xp.astype(x, p.work_dtype, copy=False) for x in (q, k, v)]
-    options = dict(num_landmarks=m, scale=check_scale(scale, p.d), key_mask=key_mask,
-                   query_mask=query_mask)
-    # The largest temporaries: the (n, m) and (m, s) score blocks.
-    work_bytes = 4 * math.prod(p.batch) * max(p.n, p.s) * m
-    return work, options, work_bytes
-
-
-def _check_conv_kernel(p, v, conv_kernel):
-    """The official model's depthwise convolution skip: an odd ``(..., K)`` real array."""
-    if conv_kernel is None:
-        return None
-    xp = p.xp
-    if p.n != p.s:
-        raise ValueError(f"conv_kernel needs self-attention (n == s) to add a convolution "
-                         f"of v to the output; got n={p.n}, s={p.s}")
-    conv_kernel = check_array("conv_kernel", conv_kernel)
-    check_same_array_kind(xp, "v", v, "conv_kernel", conv_kernel)
-    if not xp.isdtype(conv_kernel.dtype, "real floating"):
-        raise TypeError(f"conv_kernel must have a real floating dtype; got {conv_kernel.dtype}")
-    if conv_kernel.ndim < 1 or conv_kernel.shape[-1] % 2 == 0:
-        raise ValueError(f"conv_kernel must have shape (..., K) with an odd K (the output "
-                         f"is centred); got shape {tuple(conv_kernel.shape)}")
-    return xp.astype(conv_kernel, p.work_dtype, copy=False)
-
-
-def checked_nystrom(q, k, v, /, *, num_landmarks, pinv, pinv_iters, pinv_init, pinv_rtol,
-                    scale, key_mask, query_mask, conv_kernel, causal):
-    """The validation of :func:`nystrom_attention` (shared with its backward):
-    ``(problem, working (q, k, v), reference options, working conv kernel or None,
-    work bytes)``."""
-    p = check_qkv(q, k, v)
-    work, options, work_bytes = _prepare(
-        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
-        query_mask=query_mask, causal=causal, variant="nystrom_attention")
-    check_choice("pinv", pinv, PINV_METHODS)
-    check_choice("pinv_init", pinv_init, PINV_INITS)
-    iters = check_positive_int("pinv_iters", pinv_iters, minimum=0)
-    if pinv_rtol is not None and pinv != "svd":
-        raise ValueError("pinv_rtol applies to pinv='svd' only")
-    if pinv == "svd":
-        check_svd_available(p.xp)
-    kernel = _check_conv_kernel(p, v, conv_kernel)
-    options.update(pinv=pinv, pinv_iters=iters, pinv_init=pinv_init, pinv_rtol=pinv_rtol)
-    return p, work, options, kernel, work_bytes
-
-
-def checked_landmark(q, k, v, /, *, num_landmarks, scale, key_mask, query_mask, causal):
-    """The validation of :func:`landmark_attention` (shared with its backward):
-    ``(problem, working (q, k, v), reference options, work bytes)``."""
-    p = check_qkv(q, k, v)
-    work, options, work_bytes = _prepare(
-        p, q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
-        query_mask=query_mask, causal=causal, variant="landmark_attention")
-    return p, work, options, work_bytes
 
 
 def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_iters=6,
@@ -301,31 +196,10 @@ def nystrom_attention(q, k, v, /, *, num_landmarks=64, pinv="iterative", pinv_it
     >>> bool(np.allclose(exact, softmax_attention(q, k, v), rtol=0, atol=1e-10))
     True
     """
-    p, (wq, wk, wv), options, kernel, work_bytes = checked_nystrom(
-        q, k, v, num_landmarks=num_landmarks, pinv=pinv, pinv_iters=pinv_iters,
-        pinv_init=pinv_init, pinv_rtol=pinv_rtol, scale=scale, key_mask=key_mask,
-        query_mask=query_mask, conv_kernel=conv_kernel, causal=causal)
-    xp = p.xp
-    if p.empty:
-        return p.zeros()
-    with entry(xp):
-        # every row depends on every token through the landmarks: a non-finite one makes
-        # all rows NaN (and must not reach the SVD, which would raise)
-        bad_q, bad_kv = reference.nonfinite_rows(wq), reference.nonfinite_rows(wk, wv)
-        wq, (wk, wv) = (reference.drop_nonfinite(bad_q, wq),
-                        reference.drop_nonfinite(bad_kv, wk, wv))
-        if numpy_engine(xp, work_bytes):
-            out = engine.nystrom_attention(wq, wk, wv, **options)
-        else:
-            out = reference.nystrom_attention(wq, wk, wv, **options)
-        if kernel is not None:
-            out = out + reference.depthwise_conv(wv, kernel, key_mask)
-        # (a masked token is dropped, never counted: padding may hold anything)
-        bad_q = bad_q if query_mask is None else bad_q & query_mask
-        bad_kv = bad_kv if key_mask is None else bad_kv & key_mask
-        bad = xp.any(bad_q, axis=-1) | xp.any(bad_kv, axis=-1)
-        out = reference.poison_rows(out, xp.broadcast_to(bad[..., None], out.shape[:-1]))
-    return xp.astype(out, p.dtype, copy=False)
+    return run(NYSTROM_SPEC, q, k, v, num_landmarks=num_landmarks, pinv=pinv,
+               pinv_iters=pinv_iters, pinv_init=pinv_init, pinv_rtol=pinv_rtol, scale=scale,
+               key_mask=key_mask, query_mask=query_mask, conv_kernel=conv_kernel,
+               causal=causal)
 
 
 def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=None,
@@ -369,14 +243,58 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
     >>> bool(np.allclose(out, 1.0))
     True
     """
-    p, (wq, wk, wv), options, work_bytes = checked_landmark(
-        q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
-        query_mask=query_mask, causal=causal)
-    if p.empty:
-        return p.zeros()
-    with entry(p.xp):
-        if numpy_engine(p.xp, work_bytes):
-            out = engine.landmark_attention(wq, wk, wv, **options)
-        else:
-            out = reference.landmark_attention(wq, wk, wv, **options)
-    return p.xp.astype(out, p.dtype, copy=False)
+    return run(LANDMARK_SPEC, q, k, v, num_landmarks=num_landmarks, scale=scale,
+               key_mask=key_mask, query_mask=query_mask, causal=causal)
+
+
+def _finite(form, call: NystromCall, w: Working):
+    """``form`` (the reference or the engine) with Nyströmformer's rule for non-finite
+    tokens: every row depends on every token through the landmarks, so a non-finite
+    query, key or value (``w.bad``) makes all rows NaN; it is taken out first (it must
+    not reach the SVD, which would raise).  A masked token is dropped, never counted
+    (padding may hold anything)."""
+    xp = call.p.xp
+    bad_q = reference.nonfinite_rows(w.q)
+    out = form(reference.drop_nonfinite(bad_q, w.q), w.k, w.v, **call.options)
+    if call.conv_kernel is not None:
+        out = out + reference.depthwise_conv(w.v, call.conv_kernel, call.key_mask)
+    if call.query_mask is not None:
+        bad_q = bad_q & call.query_mask
+    bad = xp.any(bad_q, axis=-1) | xp.any(w.bad, axis=-1)
+    return reference.poison_rows(out, xp.broadcast_to(bad[..., None], out.shape[:-1]))
+
+
+def _nystrom_reference(call: NystromCall, w: Working):
+    return _finite(reference.nystrom_attention, call, w)
+
+
+def _nystrom_engine(call: NystromCall, w: Working):
+    return _finite(engine.nystrom_attention, call, w)
+
+
+def _landmark_reference(call: LandmarkCall, w: Working):
+    return reference.landmark_attention(w.q, w.k, w.v, **call.options)
+
+
+def _landmark_engine(call: LandmarkCall, w: Working):
+    return engine.landmark_attention(w.q, w.k, w.v, **call.options)
+
+
+def _work(call: LandmarkCall, w: Working) -> int:
+    return call.work_bytes
+
+
+_NONE_MEANS = {"scale": "1/sqrt(d)", "key_mask": "every key is real",
+               "query_mask": "every query is real"}
+
+#: The pipeline of :func:`nystrom_attention`.
+NYSTROM_SPEC = Spec(name="nystrom_attention", check=checked_nystrom,
+                    reference=_nystrom_reference, engine=_nystrom_engine, work=_work,
+                    poison=lambda call: True,
+                    none_means={**_NONE_MEANS, "pinv_rtol": "m * eps of the working dtype",
+                                "conv_kernel": "no convolution skip"})
+
+#: The pipeline of :func:`landmark_attention`.
+LANDMARK_SPEC = Spec(name="landmark_attention", check=checked_landmark,
+                     reference=_landmark_reference, engine=_landmark_engine, work=_work,
+                     none_means=_NONE_MEANS)

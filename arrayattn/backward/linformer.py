@@ -21,8 +21,9 @@ __all__ = ["linformer_attention_vjp", "linformer_call_vjp"]
 def linformer_attention_vjp(q, k, v, do, /, *, e=None, f=None, proj_dim=256, seed=0,
                             scale=None, key_mask=None, causal=False):
     """``{"q", "k", "v"[, "e"][, "f"]}`` of :func:`~arrayattn.linformer_attention`."""
-    p, scale, we, wf = checked_linformer(q, k, v, e=e, f=f, proj_dim=proj_dim, seed=seed,
-                                         scale=scale, key_mask=key_mask, causal=causal)
+    call = checked_linformer(q, k, v, e=e, f=f, proj_dim=proj_dim, seed=seed, scale=scale,
+                             key_mask=key_mask, causal=causal)
+    p = call.p
     xp = p.xp
     args = {"q": q, "k": k, "v": v, "e": e, "f": f}
     args = {name: x for name, x in args.items() if x is not None}
@@ -31,8 +32,8 @@ def linformer_attention_vjp(q, k, v, do, /, *, e=None, f=None, proj_dim=256, see
                 for name, x in args.items()}
     wq, wk, wv, wdo = (xp.astype(x, p.work_dtype, copy=False) for x in (q, k, v, do))
     with entry(xp):
-        grads = reference.linformer_attention_vjp(wq, wk, wv, we, wf, wdo, scale=scale,
-                                                  key_mask=key_mask,
+        grads = reference.linformer_attention_vjp(wq, wk, wv, call.e, call.f, wdo,
+                                                  scale=call.scale, key_mask=key_mask,
                                                   projections=e is not None)
     if e is not None and f is None:                  # F = E: both terms are E's
         grads["e"] = grads["e"] + grads.pop("f")

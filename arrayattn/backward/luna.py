@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from .. import reference
 from .._engine import entry
-from .._validate import check_flag
-from ..luna import checked_luna, uniform_inputs
+from .._validate_lowrank import LunaCall, checked_luna, checked_luna_uniform
+from ..pipeline import working
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["luna_attention_vjp", "luna_call_vjp"]
@@ -27,35 +27,39 @@ def luna_attention_vjp(q, k, v, do, /, *, p=None, scale=None, causal=False, key_
     if p is None:
         raise TypeError("the backward of luna_attention needs the packed sequence: pass "
                         "p= (the forward's fourth argument)")
-    prob, _, scale, (wq, wk, wv, wp, proj_k, proj_v) = checked_luna(
-        q, k, v, p, scale=scale, causal=causal, key_mask=key_mask,
-        unpack_key_proj=unpack_key_proj, unpack_value_proj=unpack_value_proj)
-    check_flag("return_packed", return_packed)
-    xp = prob.xp
+    call = checked_luna(q, k, v, p, scale=scale, causal=causal, key_mask=key_mask,
+                        unpack_key_proj=unpack_key_proj, unpack_value_proj=unpack_value_proj,
+                        return_packed=return_packed)
     args = {"q": q, "k": k, "v": v, "p": p, "unpack_key_proj": unpack_key_proj,
             "unpack_value_proj": unpack_value_proj}
-    args = {name: x for name, x in args.items() if x is not None}
-    if prob.s == 0:                       # P' = 0 and O = 0 whatever the inputs
-        return {name: xp.zeros(x.shape, dtype=x.dtype, device=prob.device)
-                for name, x in args.items()}
-    wdo = xp.astype(do, prob.work_dtype, copy=False)
-    with entry(xp):
-        grads = reference.luna_attention_vjp(wq, wk, wv, wp, wdo, scale=scale,
-                                             key_mask=key_mask, unpack_key_proj=proj_k,
-                                             unpack_value_proj=proj_v)
-    return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}
+    return _grads(call, do, {name: x for name, x in args.items() if x is not None})
 
 
 def luna_call_vjp(q, k, v, do, /, **options):
     """The uniform call's backward (options ``num_packed``, ``seed`` and those of
     :func:`~arrayattn.luna_attention` but ``p``): ``P`` (and ``W_K`` when ``dv != d`` and
     none is given) drawn as the forward draws them; no cotangent for what was drawn."""
-    p, opts = uniform_inputs(q, k, v, **options)
-    grads = luna_attention_vjp(q, k, v, do, p=p, **opts)
-    del grads["p"]
-    if options.get("unpack_key_proj") is None:
-        grads.pop("unpack_key_proj", None)
-    return grads
+    call = checked_luna_uniform(q, k, v, **options)
+    given = {name: options[name] for name in _PROJECTIONS
+             if options.get(name) is not None}
+    return _grads(call, do, {"q": q, "k": k, "v": v, **given})
+
+
+def _grads(call: LunaCall, do, args: dict) -> dict:
+    """The cotangents of the arrays ``args`` (by name), summed to their shapes."""
+    prob = call.p
+    xp = prob.xp
+    if prob.s == 0:                       # P' = 0 and O = 0 whatever the inputs
+        return {name: xp.zeros(x.shape, dtype=x.dtype, device=prob.device)
+                for name, x in args.items()}
+    w = working(prob, *call.qkv, None)     # cast only: the equations mask the keys
+    wdo = xp.astype(do, prob.work_dtype, copy=False)
+    with entry(xp):
+        grads = reference.luna_attention_vjp(
+            w.q, w.k, w.v, call.packed_queries, wdo, scale=call.scale,
+            key_mask=call.key_mask, unpack_key_proj=call.unpack_key_proj,
+            unpack_value_proj=call.unpack_value_proj)
+    return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}
 
 
 def _output(options):

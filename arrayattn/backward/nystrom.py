@@ -7,8 +7,8 @@ from __future__ import annotations
 from .. import reference
 from .._engine import entry
 from .._validate import check_array, check_same_array_kind
-from ..linalg import checked_pinv
-from ..nystrom import checked_landmark, checked_nystrom
+from .._validate_lowrank import checked_landmark, checked_nystrom, checked_pinv
+from ..pipeline import working
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["nystrom_attention_vjp", "landmark_attention_vjp", "pinv_vjp"]
@@ -23,18 +23,20 @@ def nystrom_attention_vjp(q, k, v, do, /, *, num_landmarks=64, pinv="iterative",
     the derivative of ``pinv`` (valid where the rank of the landmark matrix is constant),
     ``"iterative"`` through Razavi's iterations themselves.
     """
-    p, (wq, wk, wv), options, kernel, _ = checked_nystrom(
+    call = checked_nystrom(
         q, k, v, num_landmarks=num_landmarks, pinv=pinv, pinv_iters=pinv_iters,
         pinv_init=pinv_init, pinv_rtol=pinv_rtol, scale=scale, key_mask=key_mask,
         query_mask=query_mask, conv_kernel=conv_kernel, causal=causal)
+    p = call.p
     if p.empty:
         return _zero_grads(p, q=q, k=k, v=v, conv_kernel=conv_kernel)
+    w = working(p, q, k, v, None)              # cast only: the equations mask the keys
     wdo = p.xp.astype(do, p.work_dtype, copy=False)
     with entry(p.xp):
-        grads = reference.nystrom_attention_vjp(wq, wk, wv, wdo, **options)
-        if kernel is not None:
-            dv_conv, grads["conv_kernel"] = reference.depthwise_conv_vjp(wv, kernel, wdo,
-                                                                         key_mask)
+        grads = reference.nystrom_attention_vjp(w.q, w.k, w.v, wdo, **call.options)
+        if call.conv_kernel is not None:
+            dv_conv, grads["conv_kernel"] = reference.depthwise_conv_vjp(
+                w.v, call.conv_kernel, wdo, key_mask)
             grads["v"] = grads["v"] + dv_conv
     args = {"q": q, "k": k, "v": v, "conv_kernel": conv_kernel}
     return {name: sum_to_shape(g, args[name].shape) for name, g in grads.items()}
@@ -43,14 +45,15 @@ def nystrom_attention_vjp(q, k, v, do, /, *, num_landmarks=64, pinv="iterative",
 def landmark_attention_vjp(q, k, v, do, /, *, num_landmarks=64, scale=None, key_mask=None,
                            query_mask=None, causal=False):
     """``{"q", "k", "v"}`` of :func:`~arrayattn.landmark_attention`."""
-    p, (wq, wk, wv), options, _ = checked_landmark(
-        q, k, v, num_landmarks=num_landmarks, scale=scale, key_mask=key_mask,
-        query_mask=query_mask, causal=causal)
+    call = checked_landmark(q, k, v, num_landmarks=num_landmarks, scale=scale,
+                            key_mask=key_mask, query_mask=query_mask, causal=causal)
+    p = call.p
     if p.empty:
         return _zero_grads(p, q=q, k=k, v=v)
+    w = working(p, q, k, v, None)              # cast only: the equations mask the keys
     wdo = p.xp.astype(do, p.work_dtype, copy=False)
     with entry(p.xp):
-        grads = reference.landmark_attention_vjp(wq, wk, wv, wdo, **options)
+        grads = reference.landmark_attention_vjp(w.q, w.k, w.v, wdo, **call.options)
     args = {"q": q, "k": k, "v": v}
     return {name: sum_to_shape(g, args[name].shape) for name, g in grads.items()}
 
