@@ -282,7 +282,8 @@ _NONE_MEANS = {"num_buckets": "2 ceil(n / chunk_size), or the count rotations im
                "rotations": "drawn from seed", "key_mask": "every token is real",
                "scale": "1/sqrt(d)"}
 #: The pipeline of :func:`lsh_attention` (``q = k = qk``).
-SPEC = Spec(name="lsh_attention", check=_check, reference=_chunked, dense=_dense, scores=lsh_scores, none_means=_NONE_MEANS)
+SPEC = Spec(name="lsh_attention", check=_check, reference=_chunked, dense=_dense,
+            scores=lsh_scores, none_means=_NONE_MEANS)
 #: The registry's uniform call: ``q`` is the shared ``qk``; ``k`` is only checked.
 UNIFORM_SPEC = Spec(name="lsh", check=_uniform_check, reference=_chunked, dense=_dense,
                     scores=lsh_scores, none_means=_NONE_MEANS)
