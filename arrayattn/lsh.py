@@ -12,37 +12,27 @@ for the attention; memory ``O(n d)`` plus a bounded tile of scores; never ``n x 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from . import reference
-from ._engine import dense_reference, entry
-from ._validate import (Problem, check_array, check_flag, check_key_mask, check_positive_int,
-                        check_qkv, check_same_array_kind, check_scale, check_seed)
+from ._engine import entry
+from ._validate import (Problem, check_flag, check_key_mask, check_positive_int, check_qkv,
+                        check_scale, check_seed)
+from ._validate_sparse import (check_num_buckets, check_rotations, check_shared_k,
+                               default_num_buckets)
 from ._xp import xp_from_host
+from .pipeline import Spec, Working, run
 
-__all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets", "checked_lsh", "lsh_scores",
-           "uniform_call"]
+__all__ = ["lsh_attention", "lsh_rotations", "lsh_buckets", "LshCall", "checked_lsh",
+           "lsh_scores", "SPEC", "UNIFORM_SPEC", "uniform_call"]
 
 
 # ---------------------------------------------------------------------------------
 # Hashing
 # ---------------------------------------------------------------------------------
-
-def _default_num_buckets(n: int, chunk_size: int) -> int:
-    """``2 ceil(n / chunk_size)``: average bucket of about half a chunk (paper: m = 2l/n_b)."""
-    return 2 * max(1, math.ceil(n / chunk_size))
-
-
-def _check_num_buckets(num_buckets) -> int:
-    nb = check_positive_int("num_buckets", num_buckets)
-    if nb != 1 and nb % 2:
-        raise ValueError(
-            "num_buckets must be 1 or even (angular LSH takes the argmax over "
-            f"[xR, -xR] with R of num_buckets/2 columns); got {nb}"
-        )
-    return nb
-
 
 def lsh_rotations(d, *, num_hashes=4, num_buckets, seed=0):
     """The random rotations of angular LSH, drawn on the host.
@@ -66,58 +56,52 @@ def lsh_rotations(d, *, num_hashes=4, num_buckets, seed=0):
     """
     d = check_positive_int("d", d)
     num_hashes = check_positive_int("num_hashes", num_hashes)
-    nb = _check_num_buckets(num_buckets)
+    nb = check_num_buckets(num_buckets)
     rng = np.random.default_rng(check_seed(seed))
     return rng.standard_normal((num_hashes, d, nb // 2))
 
 
-def _resolve_rotations(p: Problem, qk, rotations, num_hashes, num_buckets, seed):
-    """The rotations as a ``(..., H, d, nb/2)`` array on ``qk``'s device, and ``(H, nb)``."""
-    xp = p.xp
-    num_hashes = check_positive_int("num_hashes", num_hashes)
-    if rotations is None:
-        nb = _check_num_buckets(num_buckets)
-        host = lsh_rotations(p.d, num_hashes=num_hashes, num_buckets=nb, seed=seed)
-        return xp_from_host(xp, host, dtype=p.work_dtype, device=p.device), num_hashes, nb
-    check_same_array_kind(xp, "qk", qk, "rotations", rotations)
-    if not xp.isdtype(rotations.dtype, "real floating"):
-        raise TypeError(f"rotations must have a real floating dtype; got {rotations.dtype}")
-    shape = tuple(rotations.shape)
-    if len(shape) < 3 or shape[-2] != p.d:
-        raise ValueError(
-            f"rotations must have shape (..., num_hashes, d, num_buckets // 2) with d={p.d}; "
-            f"got shape {shape} for qk of shape {tuple(qk.shape)}"
-        )
-    if shape[-3] != num_hashes:
-        raise ValueError(
-            f"rotations of shape {shape} hold {shape[-3]} hash rounds but "
-            f"num_hashes={num_hashes}; pass num_hashes={shape[-3]}"
-        )
-    nb = max(1, 2 * shape[-1])
-    if num_buckets is not None and _check_num_buckets(num_buckets) != nb:
-        raise ValueError(
-            f"rotations of shape {shape} give {nb} buckets but num_buckets={num_buckets}"
-        )
-    try:
-        batch = tuple(np.broadcast_shapes(shape[:-3], p.batch))
-    except ValueError:
-        batch = None
-    if batch != p.batch:
-        raise ValueError(
-            f"rotations' leading dimensions {shape[:-3]} do not broadcast to the "
-            f"batch {p.batch} of qk {tuple(qk.shape)}"
-        )
-    return xp.astype(rotations, p.work_dtype, copy=False), num_hashes, nb
+@dataclass(frozen=True)
+class LshCall:
+    """A validated :func:`lsh_attention` call: the problem ``p`` (``qk`` as queries and
+    keys), the key mask, the rotations ``rot (..., H, d, nb/2)`` in the working dtype and
+    the reference forms' options."""
+
+    p: Problem
+    key_mask: Any
+    rot: Any
+    num_buckets: int
+    chunk_size: int
+    scale: float
+    causal: bool
+    dedup: bool
+
+    @property
+    def options(self) -> dict:
+        """The keywords of :func:`arrayattn.reference.lsh_attention` and its forms."""
+        return dict(num_buckets=self.num_buckets, chunk_size=self.chunk_size,
+                    scale=self.scale, causal=self.causal, key_mask=self.key_mask,
+                    dedup=self.dedup)
 
 
-def _prepare(qk, v, key_mask, *, num_hashes, num_buckets, chunk_size, seed, rotations):
-    p = check_qkv(qk, qk, v, names=("qk", "qk", "v"))
+def checked_lsh(qk, v, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
+                rotations=None, causal=False, key_mask=None, scale=None, dedup=True,
+                names=("qk", "qk", "v")) -> LshCall:
+    """Validate a :func:`lsh_attention` call once (shared with :func:`lsh_buckets` and the
+    backward): the rotations drawn from ``seed`` or the caller's, checked and cast."""
+    p = check_qkv(qk, qk, v, names=names)
     check_key_mask(p, key_mask, qk)
     chunk_size = check_positive_int("chunk_size", chunk_size)
-    if num_buckets is None and rotations is None:
-        num_buckets = _default_num_buckets(p.n, chunk_size)
-    rot, H, nb = _resolve_rotations(p, qk, rotations, num_hashes, num_buckets, seed)
-    return p, chunk_size, rot, H, nb
+    num_hashes = check_positive_int("num_hashes", num_hashes)
+    if rotations is None:
+        nb = check_num_buckets(default_num_buckets(p.n, chunk_size) if num_buckets is None
+                               else num_buckets)
+        host = lsh_rotations(p.d, num_hashes=num_hashes, num_buckets=nb, seed=seed)
+        rot = xp_from_host(p.xp, host, dtype=p.work_dtype, device=p.device)
+    else:
+        rot, nb = check_rotations(p, qk, rotations, num_hashes, num_buckets)
+    return LshCall(p, key_mask, rot, nb, chunk_size, check_scale(scale, p.d),
+                   check_flag("causal", causal), check_flag("dedup", dedup))
 
 
 def lsh_buckets(qk, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
@@ -138,12 +122,12 @@ def lsh_buckets(qk, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
     >>> b.shape, bool(((0 <= b) & (b < 4)).all())
     ((3, 10), True)
     """
-    p, _, rot, _, nb = _prepare(qk, qk, key_mask, num_hashes=num_hashes,
-                                num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
-                                rotations=rotations)
-    xp = p.xp
+    call = checked_lsh(qk, qk, num_hashes=num_hashes, num_buckets=num_buckets,
+                       chunk_size=chunk_size, seed=seed, rotations=rotations,
+                       key_mask=key_mask)
+    xp, nb = call.p.xp, call.num_buckets
     with entry(xp):
-        buckets = reference.lsh_hash(xp.astype(qk, p.work_dtype, copy=False), rot, nb)
+        buckets = reference.lsh_hash(xp.astype(qk, call.p.work_dtype, copy=False), call.rot, nb)
     if key_mask is not None:
         buckets = xp.where(xp.expand_dims(key_mask, axis=-2), buckets, nb)
     return buckets
@@ -263,46 +247,48 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
     >>> bool(np.allclose(ones, 1.0))
     True
     """
-    p, rot, options = checked_lsh(qk, v, num_hashes=num_hashes, num_buckets=num_buckets,
-                                  chunk_size=chunk_size, seed=seed, rotations=rotations,
-                                  causal=causal, key_mask=key_mask, scale=scale, dedup=dedup)
-    if p.empty:
-        return p.zeros()
-    xp = p.xp
-    form = (reference.lsh_attention if dense_reference(lsh_scores(p, rot))
-            else reference.lsh_attention_chunked)
-    with entry(xp):
-        out = form(xp.astype(qk, p.work_dtype, copy=False),
-                   xp.astype(v, p.work_dtype, copy=False), rot, **options)
-    return xp.astype(out, p.dtype, copy=False)
+    return run(SPEC, qk, qk, v, num_hashes=num_hashes, num_buckets=num_buckets,
+               chunk_size=chunk_size, seed=seed, rotations=rotations, causal=causal,
+               key_mask=key_mask, scale=scale, dedup=dedup)
 
 
-def checked_lsh(qk, v, *, num_hashes, num_buckets, chunk_size, seed, rotations, causal,
-                key_mask, scale, dedup):
-    """:func:`lsh_attention`'s checks (shared with its backward): ``(p, rotations,
-    options)``, the rotations in the working dtype and the reference forms' options."""
-    p, C, rot, _, nb = _prepare(qk, v, key_mask, num_hashes=num_hashes,
-                                num_buckets=num_buckets, chunk_size=chunk_size, seed=seed,
-                                rotations=rotations)
-    return p, rot, dict(num_buckets=nb, chunk_size=C, scale=check_scale(scale, p.d),
-                        causal=check_flag("causal", causal), key_mask=key_mask,
-                        dedup=check_flag("dedup", dedup))
-
-
-def lsh_scores(p: Problem, rot) -> int:
+def lsh_scores(call: LshCall) -> int:
     """The dense form's score count ``batch * H * n^2`` (it runs below the reference
     engine's limit)."""
-    return math.prod(p.batch) * rot.shape[-3] * p.n * p.n
+    return math.prod(call.p.batch) * call.rot.shape[-3] * call.p.n * call.p.n
+
+
+def _dense(call: LshCall, w: Working):
+    # w.q: the caller's qk (cast), which hashes the padded tokens too; w.k is not used
+    return reference.lsh_attention(w.q, w.v, call.rot, **call.options)
+
+
+def _chunked(call: LshCall, w: Working):
+    return reference.lsh_attention_chunked(w.q, w.v, call.rot, **call.options)
+
+
+def _check(qk, _qk, v, **options) -> LshCall:
+    return checked_lsh(qk, v, **options)
+
+
+def _uniform_check(q, _qk, v, *, ignored_k, **options) -> LshCall:
+    call = checked_lsh(q, v, names=("q", "q", "v"), **options)   # name q, as the caller did
+    check_shared_k(q, ignored_k)
+    return call
+
+
+_NONE_MEANS = {"num_buckets": "2 ceil(n / chunk_size), or the count rotations imply",
+               "rotations": "drawn from seed", "key_mask": "every token is real",
+               "scale": "1/sqrt(d)"}
+#: The pipeline of :func:`lsh_attention` (``q = k = qk``).
+SPEC = Spec(name="lsh_attention", check=_check, reference=_chunked, dense=_dense,
+            scores=lsh_scores, none_means=_NONE_MEANS)
+#: The registry's uniform call: ``q`` is the shared ``qk``; ``k`` is only checked.
+UNIFORM_SPEC = Spec(name="lsh", check=_uniform_check, reference=_chunked, dense=_dense,
+                    scores=lsh_scores, none_means=_NONE_MEANS)
 
 
 def uniform_call(q, k, v, /, **options):
     """Registry adapter: ``q`` is the shared ``qk``; ``k`` is ignored, but it must have
     ``q``'s shape (a ``k`` of another shape is a call meant for another variant)."""
-    check_qkv(q, q, v, names=("q", "q", "v"))    # name q, the argument the caller passed
-    check_array("k", k)
-    if k.ndim < 2 or tuple(k.shape[-2:]) != tuple(q.shape[-2:]):   # (heads may group)
-        raise ValueError(f"lsh is shared-QK attention: the uniform call uses q as qk and "
-                         f"ignores k, so k must have q's tokens and width (..., "
-                         f"{q.shape[-2]}, {q.shape[-1]}); got {tuple(k.shape)} (call "
-                         f"arrayattn.lsh_attention(qk, v) directly)")
-    return lsh_attention(q, v, **options)
+    return run(UNIFORM_SPEC, q, q, v, ignored_k=k, **options)

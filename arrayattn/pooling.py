@@ -8,22 +8,26 @@ band over pooled keys, each of which stands for the interval of positions it poo
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import numpy as np
 
 from . import reference
-from ._engine import dense_reference, entry
-from ._validate import (check_array, check_band, check_choice, check_flag, check_key_mask,
-                        check_positive_int, check_qkv, check_same_array_kind, check_scale)
-from .reference.masks import zero_masked_keys
+from ._validate import (Problem, check_band, check_choice, check_flag, check_key_mask,
+                        check_positive_int, check_qkv, check_scale)
+from ._validate_sparse import check_level2
 from ._xp import xp_from_host
+from .pipeline import Spec, Working, run
+from .reference.masks import zero_masked_keys
 from .sparse.executor import block_sparse_attention
 from .sparse.layout import BlockLayout, num_blocks
 from .sparse.patterns import local_layout
 from .sparse.tiles import host_indices
 
-__all__ = ["pooling_attention", "pooled_spans", "pool_keys", "checked_pooling", "dense_masks"]
+__all__ = ["pooling_attention", "pooled_spans", "pool_keys", "PoolingCall", "checked_pooling",
+           "level2", "dense_masks", "SPEC"]
 
 
 def pooled_spans(s: int, pool_size: int, pool_stride: int | None = None):
@@ -148,35 +152,40 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
     ...                                    pool_window=16, pool_size=4), 2.0))
     True
     """
-    c = checked_pooling(q, k, v, window=window, pool_window=pool_window, pool_size=pool_size,
-                        pool_stride=pool_stride, pool=pool, q2=q2, k2=k2, v2=v2, scale=scale,
-                        causal=causal, key_mask=key_mask, block_size=block_size)
-    p, xp, dev = c.p, c.p.xp, c.p.device
-    if p.s == 0:
-        return p.zeros()
-    wq, k, v, wq2, k2, v2 = c.work
-    with entry(xp):
-        if dense_reference(math.prod(p.batch) * p.n * p.s):
-            out = reference.pooling_attention(wq, k, v, wq2, k2, v2, *dense_masks(c),
-                                              scale=c.scale, scale2=c.scale2,
-                                              key_mask=key_mask, pool=c.pool)
-        else:
-            y = block_sparse_attention(p, wq * c.scale, k, v, c.lay1, causal=c.causal,
-                                       key_mask=key_mask)
-            kbar, valid = pool_keys(xp, k2, c.start, c.end, c.pool, key_mask, device=dev)
-            vbar, _ = pool_keys(xp, v2, c.start, c.end, c.pool, key_mask, device=dev)
-            out = y + block_sparse_attention(c.pm, wq2 * c.scale2, kbar, vbar, c.lay2,
-                                             causal=c.causal, key_mask=valid)
-    return xp.astype(out, p.dtype, copy=False)
+    return run(SPEC, q, k, v, window=window, pool_window=pool_window, pool_size=pool_size,
+               pool_stride=pool_stride, pool=pool, q2=q2, k2=k2, v2=v2, scale=scale,
+               causal=causal, key_mask=key_mask, block_size=block_size)
 
 
-def checked_pooling(q, k, v, *, window, pool_window, pool_size, pool_stride, pool, q2, k2,
-                    v2, scale, causal, key_mask, block_size):
-    """:func:`pooling_attention`'s checks (shared with its backward), as a namespace:
-    ``p``, ``pm`` (the pooled level's problem), ``work`` (``q, k, v, q2, k2, v2`` in the
-    working dtype, masked keys' rows zeroed), ``scale``, ``scale2``, ``pool``,
-    ``causal``, the spans ``start``, ``end`` and the two layouts ``lay1``, ``lay2``
+@dataclass(frozen=True)
+class PoolingCall:
+    """A validated :func:`pooling_attention` call: the problem ``p`` and the pooled
+    level's ``pm``; the level-2 arrays ``q2, k2, v2`` in the working dtype, masked keys'
+    rows zeroed (``None``: level 2 runs on ``q``, ``k``, ``v``); the scales, the pooling,
+    causal; the spans ``start, end`` and the layouts ``lay1, lay2`` of the two levels
     (``None`` when ``s = 0``)."""
+
+    p: Problem
+    pm: Problem | None
+    key_mask: Any
+    q2: Any
+    k2: Any
+    v2: Any
+    scale: float
+    scale2: float
+    pool: str
+    causal: bool
+    start: Any = None
+    end: Any = None
+    lay1: BlockLayout | None = None
+    lay2: BlockLayout | None = None
+
+
+def checked_pooling(q, k, v, *, window=128, pool_window=512, pool_size=4, pool_stride=None,
+                    pool="mean", q2=None, k2=None, v2=None, scale=None, causal=False,
+                    key_mask=None, block_size=64) -> PoolingCall:
+    """Validate a :func:`pooling_attention` call once (shared with its backward): the
+    options, the level-2 arrays (cast, masked keys zeroed) and the two levels' layouts."""
     p = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
     check_key_mask(p, key_mask, q)
@@ -186,41 +195,34 @@ def checked_pooling(q, k, v, *, window, pool_window, pool_size, pool_stride, poo
     kappa = check_positive_int("pool_size", pool_size)
     zeta = kappa if pool_stride is None else check_positive_int("pool_stride", pool_stride)
     b = check_positive_int("block_size", block_size)
-    xp, dev, wd = p.xp, p.device, p.work_dtype
-    q2 = q if q2 is None else check_array("q2", q2)
-    k2 = k if k2 is None else check_array("k2", k2)
-    v2 = v if v2 is None else check_array("v2", v2)
-    p2 = check_qkv(q2, k2, v2, names=("q2", "k2", "v2"))
-    check_same_array_kind(xp, "q", q, "q2", q2)
-    if (p2.n, p2.s, p2.dv) != (p.n, p.s, p.dv) or p2.dtype != p.dtype:
-        raise ValueError(
-            f"q2, k2, v2 must have q's n={p.n}, k's s={p.s}, v's dv={p.dv} and dtype "
-            f"{p.dtype}; got shapes q2 {tuple(q2.shape)}, k2 {tuple(k2.shape)}, "
-            f"v2 {tuple(v2.shape)} of dtype {p2.dtype}"
-        )
-    if p2.batch != p.batch:
-        raise ValueError(f"q2/k2/v2 batch {p2.batch} differs from q/k/v batch {p.batch}")
-    c = SimpleNamespace(p=p, scale=check_scale(scale, p.d), scale2=check_scale(scale, p2.d),
-                        pool=pool, causal=causal, lay1=None, lay2=None)
+    p2 = check_level2(p, q, k, v, q2, k2, v2)
+    xp, wd = p.xp, p.work_dtype
+    wq2 = None if q2 is None else xp.astype(q2, wd, copy=False)
     # A padded key's row (even NaN or inf) must not matter: zeroed once, both levels.
-    k, v, k2, v2 = zero_masked_keys(key_mask, *(xp.astype(x, wd, copy=False)
-                                                for x in (k, v, k2, v2)))
-    c.work = (xp.astype(q, wd, copy=False), k, v, xp.astype(q2, wd, copy=False), k2, v2)
+    wk2, wv2 = (None if x is None else zero_masked_keys(key_mask, xp.astype(x, wd, copy=False))
+                for x in (k2, v2))
+    level = dict(p=p, key_mask=key_mask, q2=wq2, k2=wk2, v2=wv2, scale=check_scale(scale, p.d),
+                 scale2=check_scale(scale, p2.d), pool=pool, causal=causal)
     if p.s == 0:
-        return c
-    c.start, c.end = start, end = pooled_spans(p.s, kappa, zeta)
-    c.lay1 = local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal)
-    c.lay2 = BlockLayout(n=p.n, s=start.size, block_size=b,
-                         blocks=np.zeros((num_blocks(p.n, b), num_blocks(start.size, b)), bool),
-                         window=(w2[0], 0 if causal else w2[1]), causal=causal,
-                         key_start=start, key_end=end, query_offset=p.s - p.n,
-                         pattern="pooled")
-    c.pm = type(p2)(xp=xp, n=p.n, s=start.size, d=p2.d, dv=p.dv, batch=p.batch,
-                    dtype=p.dtype, work_dtype=wd, device=dev)
-    return c
+        return PoolingCall(pm=None, **level)
+    start, end = pooled_spans(p.s, kappa, zeta)
+    lay2 = BlockLayout(n=p.n, s=start.size, block_size=b,
+                       blocks=np.zeros((num_blocks(p.n, b), num_blocks(start.size, b)), bool),
+                       window=(w2[0], 0 if causal else w2[1]), causal=causal,
+                       key_start=start, key_end=end, query_offset=p.s - p.n, pattern="pooled")
+    pm = type(p2)(xp=xp, n=p.n, s=start.size, d=p2.d, dv=p.dv, batch=p.batch,
+                  dtype=p.dtype, work_dtype=wd, device=p.device)
+    return PoolingCall(pm=pm, start=start, end=end, lay2=lay2, **level,
+                       lay1=local_layout(p.n, s=p.s, window=w1, block_size=b, causal=causal))
 
 
-def dense_masks(c):
+def level2(call: PoolingCall, w: Working):
+    """The level-2 ``(q2, k2, v2)`` in the working dtype (``w``'s where not given)."""
+    return tuple(w_x if x is None else x
+                 for x, w_x in ((call.q2, w.q), (call.k2, w.k), (call.v2, w.v)))
+
+
+def dense_masks(c: PoolingCall):
     """The dense reference form's masks of a checked call: the window ``(n, s)``, the
     intervals ``inside (m, s)`` and the pooled window ``(n, m)``, on ``c.p``'s device."""
     xp, dev = c.p.xp, c.p.device
@@ -228,3 +230,39 @@ def dense_masks(c):
     inside = (c.start[:, None] <= pos) & (pos <= c.end[:, None])
     return (c.lay1.dense_mask(xp, device=dev), xp_from_host(xp, inside, dtype=xp.bool, device=dev),
             c.lay2.dense_mask(xp, device=dev))
+
+
+def _dense(call: PoolingCall, w: Working):
+    return reference.pooling_attention(w.q, w.k, w.v, *level2(call, w), *dense_masks(call),
+                                       scale=call.scale, scale2=call.scale2,
+                                       key_mask=call.key_mask, pool=call.pool)
+
+
+def _levels(call: PoolingCall, w: Working, *, threads: bool):
+    """Both levels on the block-sparse executor (``threads``: on the NumPy engine's
+    threads; the executor still decides that itself, see NOTES-pipe-sparse)."""
+    xp, dev, km = call.p.xp, call.p.device, call.key_mask
+    q2, k2, v2 = level2(call, w)
+    y = block_sparse_attention(call.p, w.q * call.scale, w.k, w.v, call.lay1,
+                               causal=call.causal, key_mask=km)
+    kbar, valid = pool_keys(xp, k2, call.start, call.end, call.pool, km, device=dev)
+    vbar, _ = pool_keys(xp, v2, call.start, call.end, call.pool, km, device=dev)
+    return y + block_sparse_attention(call.pm, q2 * call.scale2, kbar, vbar, call.lay2,
+                                      causal=call.causal, key_mask=valid)
+
+
+def _work(call: PoolingCall, w: Working) -> int:
+    """The bytes of the larger level's scores (each level's executor weighs its own)."""
+    p = call.p
+    scores = max(call.lay1.count_computed(), call.lay2.count_computed())
+    return scores * math.prod(p.batch) * (p.xp.finfo(p.work_dtype).bits // 8)
+
+
+#: The pipeline of :func:`pooling_attention`.
+SPEC = Spec(name="pooling_attention", check=checked_pooling,
+            reference=partial(_levels, threads=False), engine=partial(_levels, threads=True),
+            work=_work, dense=_dense,
+            scores=lambda call: math.prod(call.p.batch) * call.p.n * call.p.s,
+            none_means={"pool_stride": "pool_size (no overlap)", "q2": "q", "k2": "k",
+                        "v2": "v", "scale": "1/sqrt(d) (1/sqrt(d2) for level 2)",
+                        "key_mask": "every key is real"})

@@ -116,3 +116,59 @@ def test_lowrank_specs_say_what_none_means():
         nones = {name for name, par in inspect.signature(fn).parameters.items()
                  if par.default is None}
         assert nones == set(spec.none_means), fn.__name__
+
+
+def _count_everywhere(monkeypatch, q):
+    """Wrap ``check_qkv`` in every arrayattn module that imported it; count the calls
+    that check ``q`` itself (a variant may check another triple: Luna's ``p, k, v``)."""
+    import sys
+    calls = []
+    original = _validate.check_qkv
+
+    def counting(a, *args, **kwargs):
+        if a is q:
+            calls.append(a)
+        return original(a, *args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("arrayattn") and getattr(module, "check_qkv", None) is original:
+            monkeypatch.setattr(module, "check_qkv", counting)
+    return calls
+
+
+@pytest.mark.parametrize("engine", ["auto", "reference"])
+@pytest.mark.parametrize("name", [rec.name for rec in arrayattn.variants()])
+def test_every_registry_call_checks_qkv_once(name, engine, monkeypatch):
+    """The uniform call of every catalogue record runs ``check_qkv`` on its ``q`` exactly
+    once (an adapter that drew gates or built a layout used to check, then call the
+    public function that checked again)."""
+    rec = arrayattn.get_variant(name)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 72, 8)) for _ in range(3))   # n > 64 landmarks
+    calls = _count_everywhere(monkeypatch, q)
+    with arrayattn.use_engine(engine):
+        out = rec(q, k, v)
+    assert out.shape == (1, 2, 72, 8)
+    assert len(calls) == 1, f"{name}: check_qkv ran {len(calls)} times on q"
+
+
+_SPARSE_PUBLIC = {
+    "sparse_attention": lambda q, k, v: arrayattn.sparse_attention(
+        q, k, v, layout=arrayattn.bigbird_layout(40, block_size=4, num_random_blocks=1)),
+    "local_attention": lambda q, k, v: arrayattn.local_attention(q, k, v, window=3,
+                                                                 block_size=8),
+    "pooling_attention": lambda q, k, v: arrayattn.pooling_attention(
+        q, k, v, window=3, pool_window=8, pool_size=2, block_size=8),
+    "lsh_attention": lambda q, k, v: arrayattn.lsh_attention(q, v, num_hashes=2,
+                                                             chunk_size=8),
+}
+
+
+@pytest.mark.parametrize("engine", ["auto", "reference"])
+@pytest.mark.parametrize("name", sorted(_SPARSE_PUBLIC))
+def test_sparse_public_functions_check_qkv_once(name, engine, monkeypatch):
+    q, k, v = (np.random.default_rng(0).standard_normal((2, 40, 8)) for _ in range(3))
+    calls = _count_everywhere(monkeypatch, q)
+    with arrayattn.use_engine(engine):
+        out = _SPARSE_PUBLIC[name](q, k, v)
+    assert out.shape == (2, 40, 8) and len(calls) == 1

@@ -48,9 +48,10 @@ def lsh_attention_vjp(qk, v, do, /, *, num_hashes=4, num_buckets=None, chunk_siz
     >>> sorted(g), g["qk"].shape
     (['qk', 'v'], (2, 40, 8))
     """
-    p, rot, options = checked_lsh(qk, v, num_hashes=num_hashes, num_buckets=num_buckets,
-                                  chunk_size=chunk_size, seed=seed, rotations=rotations,
-                                  causal=causal, key_mask=key_mask, scale=scale, dedup=dedup)
+    call = checked_lsh(qk, v, num_hashes=num_hashes, num_buckets=num_buckets,
+                       chunk_size=chunk_size, seed=seed, rotations=rotations, causal=causal,
+                       key_mask=key_mask, scale=scale, dedup=dedup)
+    p = call.p
     xp = p.xp
     check_array("do", do)
     check_same_array_kind(xp, "qk", qk, "do", do)
@@ -63,12 +64,12 @@ def lsh_attention_vjp(qk, v, do, /, *, num_hashes=4, num_buckets=None, chunk_siz
     if p.n == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
-    form = (reference.lsh_attention_vjp if dense_reference(lsh_scores(p, rot))
+    form = (reference.lsh_attention_vjp if dense_reference(lsh_scores(call))
             else reference.lsh_attention_chunked_vjp)
     wd = p.work_dtype
     with entry(xp):
         grads = form(xp.astype(qk, wd, copy=False), xp.astype(v, wd, copy=False),
-                     xp.astype(do, wd, copy=False), rot, **options)
+                     xp.astype(do, wd, copy=False), call.rot, **call.options)
     return {name: xp.astype(sum_to_shape(grads[name], x.shape), x.dtype, copy=False)
             for name, x in args.items()}
 

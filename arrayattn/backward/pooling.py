@@ -14,7 +14,8 @@ import numpy as np
 from .. import reference
 from .._engine import dense_reference, entry
 from ..sparse.tiles import host_indices
-from ..pooling import checked_pooling, dense_masks, pool_keys
+from ..pipeline import working
+from ..pooling import checked_pooling, dense_masks, level2, pool_keys
 from ..reference.exact_vjp import sum_to_shape
 from .sparse import block_sparse_vjp
 
@@ -64,30 +65,31 @@ def pooling_attention_vjp(q, k, v, do, /, *, window=128, pool_window=512, pool_s
     c = checked_pooling(q, k, v, window=window, pool_window=pool_window, pool_size=pool_size,
                         pool_stride=pool_stride, pool=pool, q2=q2, k2=k2, v2=v2, scale=scale,
                         causal=causal, key_mask=key_mask, block_size=block_size)
-    p, xp, dev = c.p, c.p.xp, c.p.device
+    p, xp, dev, km = c.p, c.p.xp, c.p.device, c.key_mask
     args = {"q": q, "k": k, "v": v, "q2": q2, "k2": k2, "v2": v2}
     if p.s == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=dev)
                 for name, x in args.items() if x is not None}
-    wq, wk, wv, wq2, wk2, wv2 = c.work
+    w = working(p, q, k, v, km)
+    wq2, wk2, wv2 = level2(c, w)
     wdo = xp.astype(do, p.work_dtype, copy=False)
     with entry(xp):
         if dense_reference(math.prod(p.batch) * p.n * p.s):
             grads = reference.pooling_attention_vjp(
-                wq, wk, wv, wq2, wk2, wv2, *dense_masks(c), wdo, scale=c.scale,
-                scale2=c.scale2, key_mask=key_mask, pool=c.pool)
+                w.q, w.k, w.v, wq2, wk2, wv2, *dense_masks(c), wdo, scale=c.scale,
+                scale2=c.scale2, key_mask=km, pool=c.pool)
         else:
-            g1 = block_sparse_vjp(p, wq * c.scale, wk, wv, wdo, c.lay1, causal=c.causal,
-                                  key_mask=key_mask)
-            kbar, valid = pool_keys(xp, wk2, c.start, c.end, c.pool, key_mask, device=dev)
-            vbar, _ = pool_keys(xp, wv2, c.start, c.end, c.pool, key_mask, device=dev)
+            g1 = block_sparse_vjp(p, w.q * c.scale, w.k, w.v, wdo, c.lay1, causal=c.causal,
+                                  key_mask=km)
+            kbar, valid = pool_keys(xp, wk2, c.start, c.end, c.pool, km, device=dev)
+            vbar, _ = pool_keys(xp, wv2, c.start, c.end, c.pool, km, device=dev)
             g2 = block_sparse_vjp(c.pm, wq2 * c.scale2, kbar, vbar, wdo, c.lay2,
                                   causal=c.causal, key_mask=valid)
             windows = pool_windows(c.start, c.end, p.s)
             grads = {"q": g1["q"] * c.scale, "k": g1["k"], "v": g1["v"],
                      "q2": g2["q"] * c.scale2,
-                     "k2": _unpool(xp, wk2, g2["k"], windows, key_mask, c.pool, dev),
-                     "v2": _unpool(xp, wv2, g2["v"], windows, key_mask, c.pool, dev)}
+                     "k2": _unpool(xp, wk2, g2["k"], windows, km, c.pool, dev),
+                     "v2": _unpool(xp, wv2, g2["v"], windows, km, c.pool, dev)}
     for name in ("q", "k", "v"):
         if args[name + "2"] is None:          # level 2 ran on q, k, v themselves
             grads[name] = grads[name] + grads.pop(name + "2")

@@ -29,18 +29,17 @@ import numpy as np
 
 from .. import reference
 from .._engine import dense_reference, entry
-from .._validate import check_flag, check_qkv
 from .._xp import xp_from_host
+from ..pipeline import working
 from ..reference.exact_vjp import sum_to_shape
-from ..sparse import (bigbird_layout, checked_sparse, fixed_layout, local_layout,
-                      longformer_layout, strided_layout)
-from ..sparse.api import dense_allowed
+from ..sparse import bigbird_layout, fixed_layout, longformer_layout, strided_layout
+from ..sparse.api import checked_local, checked_pattern, checked_sparse, dense_allowed
 from ..sparse.executor import cut_chunks, gathered, in_block_order, spans, unblock
 from ..sparse.layout import group_rows
 from ..sparse.tiles import blocked, host_indices, tile_bias, tile_mask
 
 __all__ = ["sparse_attention_vjp", "local_attention_vjp", "pattern_vjp", "block_sparse_vjp",
-           "key_plan", "PATTERN_VJPS"]
+           "key_plan", "checked_vjp", "PATTERN_VJPS"]
 
 # Elements of the tiles and gathered rows processed at once per chunk: the backward holds
 # about four score-sized temporaries (S, P, dP, dS) where the forward holds two.
@@ -166,6 +165,30 @@ def _shaped(grads: dict, args: dict) -> dict:
             if x is not None}
 
 
+def checked_vjp(call, q, k, v, do, bias) -> dict:
+    """``{"q", "k", "v"[, "bias"]}`` of a checked sparse call (:class:`SparseCall` of
+    :mod:`arrayattn.sparse.api`): zeros where its problem has no layout (no token), the
+    gathered backward, or the dense one where the forward runs its dense definition."""
+    p = call.p
+    xp = p.xp
+    if call.layout is None:
+        return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
+                for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias))
+                if x is not None}
+    w = working(p, q, k, v, call.key_mask)
+    wdo = xp.astype(do, p.work_dtype, copy=False)
+    with entry(xp):
+        if dense_reference(math.prod(p.batch) * p.n * p.s):
+            grads = reference.sparse_attention_vjp(w.q, w.k, w.v, wdo, dense_allowed(call),
+                                                   scale=call.scale, bias=call.bias)
+        else:
+            grads = block_sparse_vjp(p, w.q * call.scale, w.k, w.v, wdo, call.layout,
+                                     causal=call.causal, key_mask=call.key_mask,
+                                     bias=call.bias)
+            grads["q"] = grads["q"] * call.scale
+    return _shaped(grads, {"q": q, "k": k, "v": v, "bias": bias})
+
+
 def sparse_attention_vjp(q, k, v, do, /, *, layout, scale=None, causal=False, key_mask=None,
                          bias=None):
     """``{"q", "k", "v"[, "bias"]}`` of :func:`~arrayattn.sparse_attention`: the gathered
@@ -173,34 +196,17 @@ def sparse_attention_vjp(q, k, v, do, /, *, layout, scale=None, causal=False, ke
     (``use_engine("reference")``, small problems), the dense backward
     (:func:`arrayattn.reference.sparse_vjp.sparse_attention_vjp`).  A masked key's
     cotangents are exactly zero, whatever its row holds."""
-    p, (wq, wk, wv), scale, causal, wbias = checked_sparse(
-        q, k, v, layout=layout, scale=scale, causal=causal, key_mask=key_mask, bias=bias)
-    xp = p.xp
-    wdo = xp.astype(do, p.work_dtype, copy=False)
-    with entry(xp):
-        if dense_reference(math.prod(p.batch) * p.n * p.s):
-            grads = reference.sparse_attention_vjp(
-                wq, wk, wv, wdo, dense_allowed(p, layout, causal, key_mask), scale=scale,
-                bias=wbias)
-        else:
-            grads = block_sparse_vjp(p, wq * scale, wk, wv, wdo, layout, causal=causal,
-                                     key_mask=key_mask, bias=wbias)
-            grads["q"] = grads["q"] * scale
-    return _shaped(grads, {"q": q, "k": k, "v": v, "bias": bias})
+    call = checked_sparse(q, k, v, layout=layout, scale=scale, causal=causal,
+                          key_mask=key_mask, bias=bias)
+    return checked_vjp(call, q, k, v, do, bias)
 
 
 def local_attention_vjp(q, k, v, do, /, *, window, causal=False, block_size=64, scale=None,
                         key_mask=None, bias=None):
     """``{"q", "k", "v"[, "bias"]}`` of :func:`~arrayattn.local_attention` (``local``)."""
-    p = check_qkv(q, k, v)
-    causal = check_flag("causal", causal)
-    if p.s == 0:
-        return {name: p.xp.zeros(x.shape, dtype=x.dtype, device=p.device)
-                for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias))
-                if x is not None}
-    layout = local_layout(p.n, s=p.s, window=window, block_size=block_size, causal=causal)
-    return sparse_attention_vjp(q, k, v, do, layout=layout, scale=scale, causal=causal,
-                                key_mask=key_mask, bias=bias)
+    call = checked_local(q, k, v, window=window, causal=causal, block_size=block_size,
+                         scale=scale, key_mask=key_mask, bias=bias)
+    return checked_vjp(call, q, k, v, do, bias)
 
 
 def pattern_vjp(builder, **fixed):
@@ -208,11 +214,9 @@ def pattern_vjp(builder, **fixed):
     inputs' ``n`` with ``builder`` (``pattern_call`` of :mod:`arrayattn.sparse.api`)."""
     def adapter(q, k, v, do, /, *, scale=None, causal=False, key_mask=None, bias=None,
                 **options):
-        check_qkv(q, k, v)
-        causal = check_flag("causal", causal)
-        layout = builder(q.shape[-2], s=k.shape[-2], **{**fixed, **options})
-        return sparse_attention_vjp(q, k, v, do, layout=layout, scale=scale, causal=causal,
-                                    key_mask=key_mask, bias=bias)
+        call = checked_pattern(builder, fixed, q, k, v, scale=scale, causal=causal,
+                               key_mask=key_mask, bias=bias, **options)
+        return checked_vjp(call, q, k, v, do, bias)
     adapter.__name__ = f"{builder.__name__}_attention_vjp"
     return adapter
 

@@ -3,49 +3,23 @@ registry records of the patterns."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 from .. import reference
-from .._engine import dense_reference, entry
-from .._validate import (check_bias, check_flag, check_key_mask, check_qkv, check_scale)
-from ..reference.masks import zero_masked_keys
+from .._validate import (Problem, check_bias, check_flag, check_key_mask, check_qkv,
+                         check_scale)
+from .._validate_sparse import check_layout
+from ..pipeline import Spec, Working, run
 from .executor import block_sparse_attention
 from .layout import BlockLayout
 from .patterns import (bigbird_layout, fixed_layout, local_layout, longformer_layout,
                        strided_layout)
 
-__all__ = ["sparse_attention", "local_attention", "checked_sparse", "dense_allowed",
+__all__ = ["sparse_attention", "local_attention", "SparseCall", "checked_sparse",
+           "checked_local", "checked_pattern", "dense_allowed", "SPEC", "LOCAL_SPEC",
            "pattern_call"]
-
-
-def checked_sparse(q, k, v, *, layout, scale, causal, key_mask, bias):
-    """:func:`sparse_attention`'s checks (shared with its backward): ``(p, (wq, wk, wv),
-    scale, causal, bias)``, inputs in the working dtype, masked keys' rows zeroed."""
-    p = check_qkv(q, k, v)
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout (see arrayattn.local_layout etc.); "
-                        f"got {type(layout).__name__}")
-    if (layout.n, layout.s) != (p.n, p.s):
-        raise ValueError(
-            f"layout was built for n={layout.n} queries and s={layout.s} keys but q has "
-            f"n={p.n} (shape {tuple(q.shape)}) and k has s={p.s} (shape {tuple(k.shape)})"
-        )
-    causal = check_flag("causal", causal)
-    check_key_mask(p, key_mask, q)
-    xp, wd = p.xp, p.work_dtype
-    # Padded keys may hold anything (NaN, inf): their rows are replaced, not weighted by 0.
-    wk, wv = zero_masked_keys(key_mask, xp.astype(k, wd, copy=False),
-                              xp.astype(v, wd, copy=False))
-    return (p, (xp.astype(q, wd, copy=False), wk, wv), check_scale(scale, p.d), causal,
-            check_bias(p, bias, q))
-
-
-def dense_allowed(p, layout: BlockLayout, causal: bool, key_mask):
-    """The ``(..., n, s)`` mask of the dense definition (the layout's dense mask, causal
-    and key mask) of a call checked as ``p``: what :func:`sparse_attention` and its
-    backward use where they run the dense reference form."""
-    return reference.allowed_mask(p.xp, p.n, p.s, device=p.device, causal=causal,
-                                  key_mask=key_mask,
-                                  mask=layout.dense_mask(p.xp, device=p.device))
 
 
 def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=False,
@@ -107,17 +81,8 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
     >>> bool(np.allclose(out, ref))
     True
     """
-    p, (wq, wk, wv), scale, causal, bias = checked_sparse(
-        q, k, v, layout=layout, scale=scale, causal=causal, key_mask=key_mask, bias=bias)
-    xp = p.xp
-    with entry(xp):
-        if dense_reference(math.prod(p.batch) * p.n * p.s):
-            allowed = dense_allowed(p, layout, causal, key_mask)
-            out = reference.sparse_attention(wq, wk, wv, allowed, scale=scale, bias=bias)
-        else:
-            out = block_sparse_attention(p, wq * scale, wk, wv, layout, causal=causal,
-                                         key_mask=key_mask, bias=bias)
-    return xp.astype(out, p.dtype, copy=False)
+    return run(SPEC, q, k, v, layout=layout, scale=scale, causal=causal, key_mask=key_mask,
+               bias=bias)
 
 
 def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=None,
@@ -160,13 +125,104 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
     >>> bool(np.allclose(local_attention(q, k, v, window=30), softmax_attention(q, k, v)))
     True
     """
+    return run(LOCAL_SPEC, q, k, v, window=window, causal=causal, block_size=block_size,
+               scale=scale, key_mask=key_mask, bias=bias)
+
+
+@dataclass(frozen=True)
+class SparseCall:
+    """A validated sparse call: the problem, the layout (``None`` where the call builds
+    its layout and the problem is empty), the scale, whether it is causal, the key mask
+    and the bias (the caller's, or ``None``)."""
+
+    p: Problem
+    layout: BlockLayout | None
+    scale: float
+    causal: bool
+    key_mask: Any
+    bias: Any
+
+
+def _checked_rest(p: Problem, q, layout, *, scale, causal: bool, key_mask, bias):
+    check_key_mask(p, key_mask, q)
+    return SparseCall(p, layout, check_scale(scale, p.d), causal, key_mask,
+                      check_bias(p, bias, q))
+
+
+def checked_sparse(q, k, v, *, layout, scale=None, causal=False, key_mask=None,
+                   bias=None) -> SparseCall:
+    """Validate a :func:`sparse_attention` call once (shared with its backward)."""
+    p = check_qkv(q, k, v)
+    layout = check_layout(p, layout, q, k)
+    return _checked_rest(p, q, layout, scale=scale, causal=check_flag("causal", causal),
+                         key_mask=key_mask, bias=bias)
+
+
+def checked_local(q, k, v, *, window, causal=False, block_size=64, scale=None,
+                  key_mask=None, bias=None) -> SparseCall:
+    """Validate a :func:`local_attention` call once and build its band layout (none
+    when there is no key)."""
     p = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
-    if p.s == 0:
-        return p.zeros()
-    layout = local_layout(p.n, s=p.s, window=window, block_size=block_size, causal=causal)
-    return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,
-                            key_mask=key_mask, bias=bias)
+    layout = None if p.s == 0 else local_layout(p.n, s=p.s, window=window,
+                                                 block_size=block_size, causal=causal)
+    return _checked_rest(p, q, layout, scale=scale, causal=causal, key_mask=key_mask,
+                         bias=bias)
+
+
+def checked_pattern(builder, fixed: dict, q, k, v, *, scale=None, causal=False,
+                    key_mask=None, bias=None, **options) -> SparseCall:
+    """Validate a registry pattern call once: its layout is ``builder(n, s=s, **fixed,
+    **options)`` (none for an empty problem: no layout of no tokens)."""
+    p = check_qkv(q, k, v)
+    causal = check_flag("causal", causal)
+    layout = None if p.n == 0 or p.s == 0 else builder(p.n, s=p.s, **{**fixed, **options})
+    return _checked_rest(p, q, layout, scale=scale, causal=causal, key_mask=key_mask,
+                         bias=bias)
+
+
+def dense_allowed(call: SparseCall):
+    """The ``(..., n, s)`` mask of the dense definition (the layout's dense mask, causal
+    and key mask) of a checked call: what :func:`sparse_attention` and its backward use
+    where they run the dense reference form."""
+    p = call.p
+    return reference.allowed_mask(p.xp, p.n, p.s, device=p.device, causal=call.causal,
+                                  key_mask=call.key_mask,
+                                  mask=call.layout.dense_mask(p.xp, device=p.device))
+
+
+def _dense(call: SparseCall, w: Working):
+    return reference.sparse_attention(w.q, w.k, w.v, dense_allowed(call), scale=call.scale,
+                                      bias=call.bias)
+
+
+def _gathered(call: SparseCall, w: Working, *, threads: bool):
+    """The block-sparse executor on the layout's gather plan (``threads``: on the NumPy
+    engine's threads; the executor still decides that itself, see NOTES-pipe-sparse)."""
+    return block_sparse_attention(call.p, w.q * call.scale, w.k, w.v, call.layout,
+                                  causal=call.causal, key_mask=call.key_mask, bias=call.bias)
+
+
+def _work(call: SparseCall, w: Working) -> int:
+    """The bytes of the scores the gather plan computes (the executor's estimate)."""
+    p = call.p
+    return (call.layout.count_computed() * math.prod(p.batch)
+            * (p.xp.finfo(p.work_dtype).bits // 8))
+
+
+def _scores(call: SparseCall) -> int:
+    return math.prod(call.p.batch) * call.p.n * call.p.s
+
+
+#: The pipeline of :func:`sparse_attention`.
+SPEC = Spec(name="sparse_attention", check=checked_sparse,
+            reference=partial(_gathered, threads=False),
+            engine=partial(_gathered, threads=True), work=_work, dense=_dense,
+            scores=_scores,
+            none_means={"scale": "1/sqrt(d)", "key_mask": "every key is real",
+                        "bias": "no bias"})
+#: The pipeline of :func:`local_attention`.
+LOCAL_SPEC = replace(SPEC, name="local_attention", check=checked_local)
 
 
 # ---------------------------------------------------------------------------------
@@ -174,14 +230,11 @@ def local_attention(q, k, v, /, *, window, causal=False, block_size=64, scale=No
 # ---------------------------------------------------------------------------------
 
 def pattern_call(builder, **fixed):
+    spec = replace(SPEC, name=f"{builder.__name__}_attention",
+                   check=partial(checked_pattern, builder, fixed))
+
     def call(q, k, v, /, *, scale=None, causal=False, key_mask=None, bias=None, **options):
-        p = check_qkv(q, k, v)
-        causal = check_flag("causal", causal)
-        if p.n == 0 or p.s == 0:     # no layout of no tokens: zeros (empty-row convention)
-            return p.zeros()
-        opts = {**fixed, **options}
-        layout = builder(q.shape[-2], s=k.shape[-2], **opts)
-        return sparse_attention(q, k, v, layout=layout, scale=scale, causal=causal,
-                                key_mask=key_mask, bias=bias)
+        return run(spec, q, k, v, scale=scale, causal=causal, key_mask=key_mask, bias=bias,
+                   **options)
     call.__name__ = f"{builder.__name__}_attention"
     return call
