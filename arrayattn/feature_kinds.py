@@ -6,6 +6,7 @@ import math
 
 from ._validate import check_choice, check_qkv, check_scale
 from ._validate_linear import check_gerf_a
+from .reference.performer import gerf_optimum
 
 __all__ = ["FEATURE_KINDS", "EXP_KINDS", "check_kind", "log_constant", "feature_parts",
            "gerf_parameter", "resolve_gerf_a"]
@@ -101,22 +102,9 @@ def gerf_parameter(q, k, /, *, scale=None, key_mask=None):
     p = check_qkv(q, k, k, names=("q", "k", "k"))
     xp = p.xp
     scale = check_scale(scale, p.d)
-    root = math.sqrt(abs(scale))
-    qt = xp.astype(q, p.work_dtype, copy=False) * (-root if scale < 0 else root)
-    kt = xp.astype(k, p.work_dtype, copy=False) * root
-    mq = xp.mean(xp.sum(qt * qt, axis=-1, keepdims=True), axis=-2, keepdims=True)
-    qbar = xp.mean(qt, axis=-2, keepdims=True)
-    if key_mask is None:
-        mk = xp.mean(xp.sum(kt * kt, axis=-1, keepdims=True), axis=-2, keepdims=True)
-        kbar = xp.mean(kt, axis=-2, keepdims=True)
-    else:
-        wgt = xp.astype(xp.expand_dims(key_mask, axis=-1), p.work_dtype)
-        cnt = xp.maximum(xp.sum(wgt, axis=-2, keepdims=True), 1.0)
-        kt = xp.where(xp.expand_dims(key_mask, axis=-1), kt, 0.0)   # NaN padding: no 0 * NaN
-        mk = xp.sum(xp.sum(kt * kt, axis=-1, keepdims=True), axis=-2, keepdims=True) / cnt
-        kbar = xp.sum(kt, axis=-2, keepdims=True) / cnt
-    rho = (mq + mk + 2 * xp.sum(qbar * kbar, axis=-1, keepdims=True)) / p.d
-    return (1 - 2 * rho - xp.sqrt((2 * rho + 1) ** 2 + 8 * rho)) / 16
+    return gerf_optimum(xp.astype(q, p.work_dtype, copy=False),
+                        xp.astype(k, p.work_dtype, copy=False), scale=scale,
+                        key_mask=key_mask)
 
 
 def resolve_gerf_a(xp, kind, gerf_a, q, k, scale, key_mask, *, work_dtype, device,

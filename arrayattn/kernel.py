@@ -3,14 +3,10 @@ map or on given features, and efficient attention (Shen et al. 2021), with their
 records."""
 from __future__ import annotations
 
-from . import reference
-from ._engine import entry
-from ._linear_run import run_features, run_kernel
+from ._linear_run import EFFICIENT_SPEC, FEATURES_SPEC, LINEAR_SPEC
 from ._linear_state import LinearAttentionState
-from ._numpy import kernel as numpy_kernel
-from ._validate import check_flag, check_key_mask, check_no_causal, check_qkv
 from ._validate_linear import check_kernel_options, checked_maps
-from .feature_maps import FEATURE_MAPS, get_feature_map
+from .pipeline import run
 # moved (kept importable from here): the decoding API and the family's checks
 from .decoding import feature_attention_step, linear_attention_state, linear_attention_step
 from ._validate_linear import CAUSAL_METHODS, check_eps, check_state
@@ -20,7 +16,7 @@ __all__ = [
     # moved; re-exported
     "LinearAttentionState", "feature_attention_step", "linear_attention_state",
     "linear_attention_step", "check_eps", "check_kernel_options", "check_state",
-    "checked_maps",
+    "checked_maps", "LINEAR_SPEC", "FEATURES_SPEC", "EFFICIENT_SPEC",
 ]
 
 
@@ -111,9 +107,8 @@ def feature_attention(phi_q, phi_k, v, /, *, causal=False, key_mask=None, eps=No
     >>> bool(np.allclose(c, r)) and bool(np.allclose(c[:, 0], v[:, 0]))
     True
     """
-    return run_features(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=eps,
-                        method=method, chunk_size=chunk_size, return_state=return_state,
-                        state=state)
+    return run(FEATURES_SPEC, phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=eps,
+               method=method, chunk_size=chunk_size, return_state=return_state, state=state)
 
 
 def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=None,
@@ -176,27 +171,9 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
     >>> bool(np.allclose(const, 3.0))
     True
     """
-    p = check_qkv(q, k, v)
-    causal = check_flag("causal", causal)
-    return_state = check_flag("return_state", return_state)
-    chunk_size, method, eps = check_kernel_options(p, q, key_mask, chunk_size, method, eps)
-    fm = get_feature_map(feature_map)
-    xp, wd = p.xp, p.work_dtype
-    wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-    if fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]:
-        maps = (fm.query, fm.key)
-    else:
-        maps = checked_maps(fm, q)
-    # the engine's elu+1 makes one temporary less
-    engine_maps = (numpy_kernel.elu_plus_one_,) * 2 if fm is FEATURE_MAPS["elu+1"] else maps
-    m = fm.dim(p.d) if fm.dim is not None else None
-    out, sz = run_kernel(
-        p, wq, wk, wv, batch=p.batch, causal=causal, key_mask=key_mask, method=method,
-        chunk_size=chunk_size, eps=eps, maps=maps, engine_maps=engine_maps, m=m,
-        normalize=check_flag("normalize", normalize))
-    if not return_state:
-        return out
-    return out, LinearAttentionState(sz[..., :-1], sz[..., -1], p.s, fm)
+    return run(LINEAR_SPEC, q, k, v, feature_map=feature_map, causal=causal,
+               key_mask=key_mask, eps=eps, method=method, chunk_size=chunk_size,
+               return_state=return_state, normalize=normalize)
 
 
 def efficient_attention(q, k, v, /, *, causal=False, key_mask=None):
@@ -240,18 +217,7 @@ def efficient_attention(q, k, v, /, *, causal=False, key_mask=None):
     >>> bool(np.allclose(out, 1.0))
     True
     """
-    check_no_causal(check_flag("causal", causal), "efficient_attention",
-                    "its softmax over the keys normalises each feature over the whole "
-                    "sequence, so every output depends on every (also future) key")
-    p = check_qkv(q, k, v)
-    check_key_mask(p, key_mask, q)
-    if p.s == 0:
-        return p.zeros()
-    xp = p.xp
-    wq, wk, wv = (xp.astype(x, p.work_dtype, copy=False) for x in (q, k, v))
-    with entry(xp):   # the reference form on every backend (it is three products)
-        out = reference.efficient_attention(wq, wk, wv, key_mask=key_mask)
-    return xp.astype(out, p.dtype, copy=False)
+    return run(EFFICIENT_SPEC, q, k, v, causal=causal, key_mask=key_mask)
 
 
 # ---------------------------------------------------------------------------------------

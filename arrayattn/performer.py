@@ -32,43 +32,14 @@ from __future__ import annotations
 import math
 
 from . import reference
-from ._engine import entry, numpy_engine
 from ._numpy import kernel as numpy_kernel
 from ._numpy import performer as numpy_performer
-from ._validate import (check_choice, check_flag, check_key_mask, check_positive_int,
-                        check_qkv, check_scale, check_seed)
-from ._validate_linear import NORMS, PROJECTIONS
-from .feature_kinds import EXP_KINDS, FEATURE_KINDS, check_kind, resolve_gerf_a
-from .random_projection import RandomFeatures, as_features
+from ._validate_kernel import PerformerCall, checked_performer
+from .feature_kinds import EXP_KINDS
+from .pipeline import Spec, Working, run
+from .random_projection import RandomFeatures
 
-__all__ = ["performer_attention", "checked_performer", "uniform_call"]
-
-
-def checked_performer(q, k, v, /, *, features, num_features, kind, projection, norms,
-                      seed, scale, causal, key_mask):
-    """The validation of :func:`performer_attention` (shared with its backward):
-    ``(problem, kind, scale, causal, RandomFeatures)``."""
-    p = check_qkv(q, k, v)
-    check_key_mask(p, key_mask, q)
-    kind = check_kind(kind)
-    scale = check_scale(scale, p.d)
-    causal = check_flag("causal", causal)
-    if features is None:
-        check_choice("projection", projection, PROJECTIONS)
-        if num_features is None:
-            num_features = p.d if projection == "identity" else 256
-        check_positive_int("num_features", num_features)
-        check_choice("norms", norms, NORMS)
-        seed = check_seed(seed)
-        if projection == "identity" and num_features != p.d:
-            raise ValueError(
-                f"projection='identity' (no random projection) has m = d = {p.d} rows; got "
-                f"num_features={num_features} (pass num_features={p.d})")
-        features = RandomFeatures.draw(p.d, num_features, projection=projection,
-                                       norms=norms, seed=seed)
-    else:
-        features = as_features(features, p.d)
-    return p, kind, scale, causal, features
+__all__ = ["performer_attention", "checked_performer", "SPEC", "uniform_call"]
 
 
 def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="positive",
@@ -157,41 +128,66 @@ def performer_attention(q, k, v, /, *, features=None, num_features=None, kind="p
     >>> bool(np.allclose(c[:, 0], v[:, 0]))  # the first query sees only the first key
     True
     """
-    p, kind, scale, causal, features = checked_performer(
-        q, k, v, features=features, num_features=num_features, kind=kind,
-        projection=projection, norms=norms, seed=seed, scale=scale, causal=causal,
-        key_mask=key_mask)
-    xp, wd = p.xp, p.work_dtype
-    if p.s == 0:
-        return p.zeros()
-    width = features.m * FEATURE_KINDS.get(kind, 1) if isinstance(kind, str) else features.m
-    with entry(xp):   # every NumPy call under the engine's lock
-        wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-        # padding may hold anything (NaN, inf): masked keys and values are zeroed once
-        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
-        # causal: a non-finite key or value reaches only the rows that see it
-        bad = reference.nonfinite_rows(wk, wv) if causal else None
-        wk, wv = (wk, wv) if bad is None else reference.drop_nonfinite(bad, wk, wv)
-        omega = features.on(xp, dtype=wd, device=p.device)
-        gerf_a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
-                                work_dtype=wd, device=p.device)
-        if numpy_engine(xp, math.prod(p.batch) * (p.n + p.s) * max(width, p.dv + 1) * 4):
-            rows = reference.favor_rows(omega, kind=kind, scale=scale, gerf_a=gerf_a)
-            query_features, key_features = numpy_performer.performer_maps(
-                wq, wk, rows, kind=kind, scale=scale, causal=causal, key_mask=key_mask)
-            # eps=0: only a zero denominator (no visible key) gives zeros
-            out, _ = numpy_kernel.kernel_attention(
-                wv, query_features=query_features, key_features=key_features, n=p.n,
-                s=p.s, batch=p.batch, causal=causal, key_mask=None, method="chunked",
-                chunk=64, sz0=None, eps=0.0, m=width,
-                shifted_keys=not causal and kind in EXP_KINDS)
-        else:
-            out = reference.performer_attention(
-                wq, wk, wv, omega, kind=kind, scale=scale, causal=causal,
-                key_mask=key_mask, gerf_a=gerf_a)
-        if bad is not None:
-            out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
-    return xp.astype(out, p.dtype, copy=False)
+    return run(SPEC, q, k, v, features=features, num_features=num_features, kind=kind,
+               projection=projection, norms=norms, seed=seed, scale=scale, causal=causal,
+               key_mask=key_mask, gerf_a=gerf_a)
+
+
+def _omega_and_a(call: PerformerCall, w: Working):
+    """The projection on the inputs' device, and FAVOR++'s ``A``: the caller's, or the
+    optimum ``A*`` of these inputs (masked and non-finite keys taken out)."""
+    p = call.p
+    omega = call.features.on(p.xp, dtype=p.work_dtype, device=p.device)
+    if call.kind == "favor++" and call.gerf_a is None:
+        return omega, reference.gerf_optimum(w.q, w.k, scale=call.scale,
+                                             key_mask=call.key_mask)
+    return omega, call.gerf_a
+
+
+def _poisoned(call: PerformerCall, w: Working, out):
+    """Causal: the rows that see a key holding a non-finite value become NaN."""
+    if w.bad is None:
+        return out
+    return reference.poison_rows(out, reference.seen_by_prefix(w.bad, call.p.n))
+
+
+def _reference(call: PerformerCall, w: Working):
+    omega, gerf_a = _omega_and_a(call, w)
+    out = reference.performer_attention(w.q, w.k, w.v, omega, kind=call.kind,
+                                        scale=call.scale, causal=call.causal,
+                                        key_mask=call.key_mask, gerf_a=gerf_a)
+    return _poisoned(call, w, out)
+
+
+def _engine(call: PerformerCall, w: Working):
+    p, kind = call.p, call.kind
+    omega, gerf_a = _omega_and_a(call, w)
+    rows = reference.favor_rows(omega, kind=kind, scale=call.scale, gerf_a=gerf_a)
+    query_features, key_features = numpy_performer.performer_maps(
+        w.q, w.k, rows, kind=kind, scale=call.scale, causal=call.causal,
+        key_mask=call.key_mask)
+    # eps=0: only a zero denominator (no visible key) gives zeros
+    out, _ = numpy_kernel.kernel_attention(
+        w.v, query_features=query_features, key_features=key_features, n=p.n, s=p.s,
+        batch=p.batch, causal=call.causal, key_mask=None, method="chunked", chunk=64,
+        sz0=None, eps=0.0, m=call.width,
+        shifted_keys=not call.causal and kind in EXP_KINDS)
+    return _poisoned(call, w, out)
+
+
+def _work(call: PerformerCall, w: Working) -> int:
+    """Bytes of the engine's largest temporary: features and values of every token."""
+    p = call.p
+    return math.prod(p.batch) * (p.n + p.s) * max(call.width, p.dv + 1) * 4
+
+
+#: The pipeline of :func:`performer_attention`.
+SPEC = Spec(name="performer_attention", check=checked_performer, reference=_reference,
+            engine=_engine, work=_work, poison=lambda call: call.causal,
+            none_means={"features": "drawn from num_features, projection, norms and seed",
+                        "num_features": "256 (d with projection='identity')",
+                        "scale": "1/sqrt(d)", "key_mask": "every key is real",
+                        "gerf_a": "the optimal A* of q and the unmasked keys"})
 
 
 def uniform_call(q, k, v, /, *, omega=None, **options):

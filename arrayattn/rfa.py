@@ -41,33 +41,15 @@ import math
 
 from . import reference
 from ._engine import entry
-from ._validate import (broadcast_batch, check_array, check_choice, check_flag,
-                        check_key_mask, check_positive_int, check_qkv, check_same_array_kind,
-                        check_seed)
-from ._validate_linear import CAUSAL_METHODS, NORMS, PROJECTIONS, check_eps
-from .kernel import feature_attention
-from .random_projection import RandomFeatures, as_features
+from ._numpy import kernel as numpy_kernel
+from ._validate import check_array, check_qkv
+from ._validate_kernel import RfaCall, check_sigma, checked_rfa
+from .pipeline import Spec, Working, run
+from .random_projection import as_features
+# moved (kept importable from here)
+from ._validate_gated import GATED_METHODS
 
-__all__ = ["rfa_attention", "rfa_features", "checked_rfa"]
-
-GATED_METHODS = ("chunked", "recurrent")
-
-
-def _check_sigma(sigma) -> float:
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not (
-            math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"sigma must be a finite number > 0; got {sigma!r}")
-    return float(sigma)
-
-
-def _resolve_features(p, features, num_features, projection, norms, seed):
-    if features is None:
-        check_positive_int("num_features", num_features)
-        check_choice("projection", projection, PROJECTIONS)
-        check_choice("norms", norms, NORMS)
-        return RandomFeatures.draw(p.d, num_features, projection=projection, norms=norms,
-                                   seed=check_seed(seed))
-    return as_features(features, p.d)
+__all__ = ["rfa_attention", "rfa_features", "checked_rfa", "SPEC", "GATED_METHODS"]
 
 
 def rfa_features(x, features, /, *, sigma=1.0):
@@ -107,7 +89,7 @@ def rfa_features(x, features, /, *, sigma=1.0):
     """
     check_array("x", x)
     p = check_qkv(x, x, x, names=("x", "x", "x"))
-    sigma = _check_sigma(sigma)
+    sigma = check_sigma(sigma)
     xp = p.xp
     features = as_features(features, p.d)
     omega = features.on(xp, dtype=p.work_dtype, device=p.device)
@@ -116,54 +98,6 @@ def rfa_features(x, features, /, *, sigma=1.0):
                                                 omega, sigma=sigma)
     out = out * (1.0 / math.sqrt(features.m))
     return xp.astype(out, p.dtype, copy=False)
-
-
-def _check_gate(p, gate, q, batch):
-    """The gate as an array ``(..., n)`` in the working dtype, and the broadcast batch."""
-    xp = p.xp
-    if isinstance(gate, (int, float)) and not isinstance(gate, bool):
-        gate = float(gate)
-        if not 0.0 <= gate <= 1.0:
-            raise ValueError(f"gate must lie in [0, 1]; got {gate}")
-        return xp.full((p.n,), gate, dtype=p.work_dtype, device=p.device), batch
-    check_same_array_kind(xp, "q", q, "gate", gate)
-    if not xp.isdtype(gate.dtype, "real floating"):
-        raise TypeError(f"gate must have a real floating dtype; got {gate.dtype}")
-    if gate.ndim < 1 or gate.shape[-1] not in (p.n, 1):
-        raise ValueError(f"gate must have shape (..., n) or (..., 1) with n={p.n}; got "
-                         f"shape {tuple(gate.shape)} (q {tuple(q.shape)})")
-    batch = broadcast_batch([("inputs", batch), ("gate", tuple(gate.shape[:-1]))])
-    return xp.astype(gate, p.work_dtype), batch
-
-
-def checked_rfa(q, k, v, /, *, num_features, seed, sigma, causal, gate, key_mask,
-                features, projection, norms, method, chunk_size, eps):
-    """The validation of :func:`rfa_attention` (shared with its backward): ``(problem,
-    sigma, causal, chunk_size, method, gate (working dtype) or None, batch,
-    RandomFeatures, eps)``."""
-    p = check_qkv(q, k, v)
-    check_key_mask(p, key_mask, q)
-    sigma = _check_sigma(sigma)
-    causal = check_flag("causal", causal)
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    g = batch = None
-    if gate is not None:
-        if not causal:
-            raise ValueError("gate is the causal recurrence S_t = g_t S_(t-1) + (1 - g_t) "
-                             "phi(k_t) v_t^T; pass causal=True")
-        if p.n != p.s:
-            raise ValueError(f"gate requires n = s (one gate per token of a self-attention "
-                             f"sequence); got q {tuple(q.shape)}, k {tuple(k.shape)}")
-        method = "chunked" if method is None else check_choice("method", method,
-                                                               GATED_METHODS)
-        batch = p.batch if key_mask is None else broadcast_batch(
-            [("inputs", p.batch), ("key_mask", tuple(key_mask.shape[:-1]))])
-        g, batch = _check_gate(p, gate, q, batch)
-    elif method is not None:
-        check_choice("method", method, CAUSAL_METHODS)
-    features = _resolve_features(p, features, num_features, projection, norms, seed)
-    eps = check_eps(eps, p.xp, p.work_dtype)
-    return p, sigma, causal, chunk_size, method, g, batch, features, eps
 
 
 def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=False,
@@ -279,31 +213,71 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
     >>> bool(np.allclose(gated, ref))
     True
     """
-    p, sigma, causal, chunk_size, method, g, batch, features, eps = checked_rfa(
-        q, k, v, num_features=num_features, seed=seed, sigma=sigma, causal=causal,
-        gate=gate, key_mask=key_mask, features=features, projection=projection, norms=norms,
-        method=method, chunk_size=chunk_size, eps=eps)
-    xp, wd, dev = p.xp, p.work_dtype, p.device
-    if p.s == 0:
-        return p.zeros()
-    omega = features.on(xp, dtype=wd, device=dev)
-    with entry(xp):
-        wq, wk, wv = (xp.astype(x, wd, copy=False) for x in (q, k, v))
-        wk, wv = reference.zero_masked_keys(key_mask, wk, wv)   # padding may hold NaN/inf
-        # φ(q)·φ(k) carries the factor 1/m (both m^-1/2), put on the query side, so that
-        # the denominator compared with eps is the documented one
-        phi_q = reference.random_fourier_features(wq, omega, sigma=sigma) * (
-            1.0 / features.m)
-        phi_k = reference.random_fourier_features(wk, omega, sigma=sigma)
-        if gate is None:   # kernel attention: its NumPy engine or reference form
-            out = feature_attention(phi_q, phi_k, wv, causal=causal, key_mask=key_mask,
-                                    eps=eps, method=method, chunk_size=chunk_size)
-        else:              # the gated scan: the reference form on every backend
-            g = xp.broadcast_to(g, (*batch, p.n))
-            # a non-finite key, value or gate reaches only the rows that see it
-            bad = reference.nonfinite_rows(phi_k, wv, g[..., None])
-            phi_k, wv, g1 = reference.drop_nonfinite(bad, phi_k, wv, g[..., None])
-            out = reference.gated_rfa(phi_q, phi_k, wv, g1[..., 0], key_mask=key_mask,
-                                      method=method, chunk_size=chunk_size, eps=eps)
-            out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
-    return xp.astype(out, p.dtype, copy=False)
+    return run(SPEC, q, k, v, num_features=num_features, seed=seed, sigma=sigma,
+               causal=causal, gate=gate, key_mask=key_mask, features=features,
+               projection=projection, norms=norms, method=method, chunk_size=chunk_size,
+               eps=eps)
+
+
+def _features(call: RfaCall, w: Working):
+    """``(φ(q̂) / m, φ(k̂))``: the factor ``1/m`` of ``φ(q)·φ(k)`` on the query side, so
+    that the denominator compared with ``eps`` is the documented one."""
+    p = call.p
+    omega = call.features.on(p.xp, dtype=p.work_dtype, device=p.device)
+    phi_q = reference.random_fourier_features(w.q, omega, sigma=call.sigma)
+    phi_k = reference.random_fourier_features(w.k, omega, sigma=call.sigma)
+    return phi_q * (1.0 / call.features.m), phi_k
+
+
+def _reference(call: RfaCall, w: Working):
+    p, xp = call.p, call.p.xp
+    phi_q, phi_k = _features(call, w)
+    if call.gate is None:       # kernel attention on the features
+        out, _ = reference.kernel_attention(
+            phi_q, phi_k, w.v, causal=call.causal, key_mask=call.key_mask,
+            method=call.method, chunk_size=call.chunk_size, eps=call.eps)
+        bad = w.bad
+    else:                       # the gated scan
+        g = xp.broadcast_to(call.gate, (*call.batch, p.n))[..., None]
+        # a non-finite key, value or gate reaches only the rows that see it
+        bad = reference.nonfinite_rows(phi_k, w.v, g)
+        phi_k, wv, g = reference.drop_nonfinite(bad, phi_k, w.v, g)
+        out = reference.gated_rfa(phi_q, phi_k, wv, g[..., 0], key_mask=call.key_mask,
+                                  method=call.method, chunk_size=call.chunk_size,
+                                  eps=call.eps)
+    if bad is None:
+        return out
+    return reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
+
+
+def _engine(call: RfaCall, w: Working):
+    p = call.p
+    phi_q, phi_k = _features(call, w)
+    out, _ = numpy_kernel.kernel_attention(
+        w.v, query_features=numpy_kernel.rows_of(phi_q),
+        key_features=numpy_kernel.rows_of(phi_k), n=p.n, s=p.s, batch=p.batch,
+        causal=call.causal, key_mask=call.key_mask, method=call.method,
+        chunk=call.chunk_size, sz0=None, eps=call.eps, m=2 * call.features.m)
+    if w.bad is None:
+        return out
+    return reference.poison_rows(out, reference.seen_by_prefix(w.bad, p.n))
+
+
+def _work(call: RfaCall, w: Working):
+    """Bytes of the kernel engine's largest temporary (the ``2m`` features and the values
+    of every token); ``None`` with a gate (the gated scan is the reference form on every
+    backend)."""
+    p = call.p
+    if call.gate is not None:
+        return None
+    return math.prod(p.batch) * (p.n + p.s) * max(2 * call.features.m, p.dv + 1) * 4
+
+
+#: The pipeline of :func:`rfa_attention`; the gated scan takes its own non-finite keys
+#: out (a gate can be one too).
+SPEC = Spec(name="rfa_attention", check=checked_rfa, reference=_reference, engine=_engine,
+            work=_work, poison=lambda call: call.causal and call.gate is None,
+            none_means={"gate": "no gate (plain RFA)", "key_mask": "every key is real",
+                        "features": "drawn from num_features, projection, norms and seed",
+                        "method": "chunked",
+                        "eps": "the smallest normal number of the working dtype"})

@@ -172,3 +172,31 @@ def test_sparse_public_functions_check_qkv_once(name, engine, monkeypatch):
     with arrayattn.use_engine(engine):
         out = _SPARSE_PUBLIC[name](q, k, v)
     assert out.shape == (2, 40, 8) and len(calls) == 1
+
+
+_KERNEL_CALLS = {
+    "linear_attention": lambda q, k, v: arrayattn.linear_attention(q, k, v, causal=True),
+    "linear_state": lambda q, k, v: arrayattn.linear_attention(q, k, v, return_state=True),
+    "linear_user_map": lambda q, k, v: arrayattn.linear_attention(
+        q, k, v, feature_map=lambda x: x * x),
+    "feature_attention": lambda q, k, v: arrayattn.feature_attention(q, k, v, causal=True),
+    "efficient_attention": lambda q, k, v: arrayattn.efficient_attention(q, k, v),
+    "performer_attention": lambda q, k, v: arrayattn.performer_attention(q, k, v,
+                                                                         causal=True),
+    "performer_favorpp": lambda q, k, v: arrayattn.performer_attention(q, k, v,
+                                                                       kind="favor++"),
+    "rfa_attention": lambda q, k, v: arrayattn.rfa_attention(q, k, v, causal=True),
+    "rfa_gated": lambda q, k, v: arrayattn.rfa_attention(q, k, v, causal=True, gate=0.9),
+}
+
+
+@pytest.mark.parametrize("engine", ["reference", "numpy"])
+@pytest.mark.parametrize("name", sorted(_KERNEL_CALLS))
+def test_kernel_public_functions_check_qkv_once(monkeypatch, name, engine):
+    """linear, feature, efficient, Performer and RFA attention: one check per call (RFA
+    used to validate again through feature_attention, FAVOR++ through gerf_parameter)."""
+    q, k, v = (np.random.default_rng(0).standard_normal((2, 6, 4)) for _ in range(3))
+    calls = _count_everywhere(monkeypatch, q)
+    with arrayattn.use_engine(engine):
+        _KERNEL_CALLS[name](q, k, v)
+    assert len(calls) == 1

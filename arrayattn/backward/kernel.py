@@ -9,10 +9,9 @@ from dataclasses import replace
 
 from .. import reference
 from .._engine import entry
-from .._validate import check_flag, check_key_mask, check_no_causal, check_qkv
-from ..feature_maps import FEATURE_MAPS, get_feature_map
 from .._linear_state import LinearAttentionState
-from .._validate_linear import check_kernel_options, check_state, checked_maps
+from .._validate_kernel import check_efficient, check_features, check_linear
+from ..feature_maps import FEATURE_MAPS
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["linear_attention_vjp", "feature_attention_vjp", "efficient_attention_vjp"]
@@ -31,7 +30,7 @@ def _user_map_vjp(fm, vjp, which, ref):
 
 
 def _drop_bad(causal, key_mask, k, v):
-    """The forward's rule (``_linear_run.run_kernel``): causal, a non-finite key or value
+    """The forward's rule (:func:`arrayattn.pipeline.working`): causal, a non-finite key or value
     is dropped and the rows that see it become NaN; masked keys are not faults."""
     if not causal:
         return k, v, None
@@ -47,20 +46,17 @@ def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
     ``return_state`` is accepted and ignored).  A user feature map needs its
     derivatives: a :class:`~arrayattn.feature_maps.FeatureMap` with ``query_vjp`` and
     ``key_vjp`` (``NotImplementedError`` otherwise)."""
-    p = check_qkv(q, k, v)
-    causal = check_flag("causal", causal)
-    check_flag("return_state", return_state)
-    normalize = check_flag("normalize", normalize)
-    chunk_size, method, eps = check_kernel_options(p, q, key_mask, chunk_size, method, eps)
-    fm = get_feature_map(feature_map)
+    call = check_linear(q, k, v, feature_map=feature_map, causal=causal, key_mask=key_mask,
+                        eps=eps, method=method, chunk_size=chunk_size,
+                        return_state=return_state, normalize=normalize)
+    p, fm, causal = call.p, call.feature_map, call.causal
     if fm.query_vjp is None or fm.key_vjp is None:
         raise NotImplementedError(
             f"the backward of linear_attention needs the derivatives of the feature map "
             f"{fm.name!r}: pass arrayattn.feature_maps.FeatureMap(name, phi_q, phi_k, "
             f"query_vjp=..., key_vjp=...) with (x, dphi) -> dx for each map")
     if not (fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]):
-        qmap, kmap = checked_maps(fm, q)
-        fm = replace(fm, query=qmap, key=kmap,
+        fm = replace(fm, query=call.maps[0], key=call.maps[1],
                      query_vjp=_user_map_vjp(fm, fm.query_vjp, "query", q),
                      key_vjp=_user_map_vjp(fm, fm.key_vjp, "key", q))
     xp = p.xp
@@ -69,7 +65,8 @@ def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
         wk, wv, bad = _drop_bad(causal, key_mask, wk, wv)
         grads = reference.linear_attention_vjp(
             wq, wk, wv, wdo, feature_map=fm, causal=causal, key_mask=key_mask,
-            method=method, chunk_size=chunk_size, eps=eps, normalize=normalize)
+            method=call.method, chunk_size=call.chunk_size, eps=call.eps,
+            normalize=call.normalize)
         if bad is not None:
             grads = reference.poison_prefix_grads(grads, bad, p.n)
     args = {"q": q, "k": k, "v": v}
@@ -82,23 +79,18 @@ def feature_attention_vjp(phi_q, phi_k, v, do, /, *, causal=False, key_mask=None
     (of its output; ``return_state`` is accepted and ignored).  The cotangent of a given
     ``state`` is a :class:`~arrayattn.LinearAttentionState` holding ``dS`` and ``dz``
     (same ``num_tokens`` and feature map)."""
-    p = check_qkv(phi_q, phi_k, v, names=("phi_q", "phi_k", "v"))
-    causal = check_flag("causal", causal)
-    check_flag("return_state", return_state)
-    chunk_size, method, eps = check_kernel_options(p, phi_q, key_mask, chunk_size, method,
-                                                   eps)
-    xp = p.xp
-    sz0 = None
-    if state is not None:
-        check_state(p, state, phi_q, p.d)
-        sz0 = xp.concat([state.S, state.z[..., None]], axis=-1)
+    call = check_features(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=eps,
+                          method=method, chunk_size=chunk_size, return_state=return_state,
+                          state=state)
+    p, causal, xp = call.p, call.causal, call.p.xp
+    sz0 = None if state is None else xp.concat([state.S, state.z[..., None]], axis=-1)
     wq, wk, wv, wdo = (xp.astype(x, p.work_dtype, copy=False)
                        for x in (phi_q, phi_k, v, do))
     with entry(xp):
         wk, wv, bad = _drop_bad(causal, key_mask, wk, wv)
         grads = reference.kernel_attention_vjp(
-            wq, wk, wv, wdo, causal=causal, key_mask=key_mask, method=method,
-            chunk_size=chunk_size, eps=eps, state=sz0, normalize=True)
+            wq, wk, wv, wdo, causal=causal, key_mask=key_mask, method=call.method,
+            chunk_size=call.chunk_size, eps=call.eps, state=sz0, normalize=True)
         if bad is not None:
             grads = reference.poison_prefix_grads(grads, bad, p.n, queries=("phi_q",))
     args = {"phi_q": phi_q, "phi_k": phi_k, "v": v}
@@ -115,11 +107,7 @@ feature_attention_vjp.argument_names = ("phi_q", "phi_k", "v")
 
 def efficient_attention_vjp(q, k, v, do, /, *, causal=False, key_mask=None):
     """``{"q", "k", "v"}`` of :func:`~arrayattn.efficient_attention`."""
-    check_no_causal(check_flag("causal", causal), "efficient_attention",
-                    "its softmax over the keys normalises each feature over the whole "
-                    "sequence, so every output depends on every (also future) key")
-    p = check_qkv(q, k, v)
-    check_key_mask(p, key_mask, q)
+    p = check_efficient(q, k, v, causal=causal, key_mask=key_mask).p
     xp = p.xp
     args = {"q": q, "k": k, "v": v}
     if p.s == 0:

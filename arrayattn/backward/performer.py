@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from .. import reference
 from .._engine import entry
-from ..performer import checked_performer
-from ..feature_kinds import resolve_gerf_a
+from .._validate_kernel import checked_performer
 from ..random_projection import RandomFeatures
 from ..reference.exact_vjp import sum_to_shape
 
@@ -25,30 +24,33 @@ def performer_attention_vjp(q, k, v, do, /, *, features=None, num_features=None,
     on ``q`` and every unmasked key and is differentiated (chained into ``dq``, ``dk``);
     an array ``gerf_a`` gets its own cotangent, a float none.
     """
-    p, kind, scale, causal, features = checked_performer(
+    call = checked_performer(
         q, k, v, features=features, num_features=num_features, kind=kind,
         projection=projection, norms=norms, seed=seed, scale=scale, causal=causal,
-        key_mask=key_mask)
+        key_mask=key_mask, gerf_a=gerf_a)
+    p, kind, scale, causal = call.p, call.kind, call.scale, call.causal
     xp, wd = p.xp, p.work_dtype
     args = {"q": q, "k": k, "v": v}
     if kind == "favor++" and gerf_a is not None and hasattr(gerf_a, "shape"):
         args["gerf_a"] = gerf_a
-    wq, wk, wv, wdo = (xp.astype(x, wd, copy=False) for x in (q, k, v, do))
-    wk, wv = reference.zero_masked_keys(key_mask, wk, wv)   # padding may hold NaN / inf
-    # the forward's rule: causal, a non-finite key or value is dropped, its rows NaN
-    bad = reference.nonfinite_rows(wk, wv) if causal else None
-    wk, wv = (wk, wv) if bad is None else reference.drop_nonfinite(bad, wk, wv)
-    a = resolve_gerf_a(xp, kind, gerf_a, wq, wk, scale, key_mask, causal=causal,
-                       work_dtype=wd, device=p.device) if p.s else None
     if p.s == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
-    omega = features.on(xp, dtype=wd, device=p.device)
+    wq, wk, wv, wdo = (xp.astype(x, wd, copy=False) for x in (q, k, v, do))
+    # the forward's rule (arrayattn.pipeline.working): masked keys zeroed; causal, a
+    # non-finite key or value is dropped, its rows NaN
+    wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
+    bad = reference.nonfinite_rows(wk, wv) if causal else None
+    wk, wv = (wk, wv) if bad is None else reference.drop_nonfinite(bad, wk, wv)
+    optimum = kind == "favor++" and call.gerf_a is None        # A* = A*(q, k)
+    a = reference.gerf_optimum(wq, wk, scale=scale, key_mask=key_mask) if optimum else (
+        call.gerf_a)
+    omega = call.features.on(xp, dtype=wd, device=p.device)
     with entry(xp):
         grads = reference.performer_attention_vjp(wq, wk, wv, wdo, omega, kind=kind,
                                                   scale=scale, causal=causal,
                                                   key_mask=key_mask, gerf_a=a)
-        if kind == "favor++" and gerf_a is None:        # A* = A*(q, k): chain it
+        if optimum:                                            # chain it
             dq, dk = reference.gerf_parameter_vjp(wq, wk, grads.pop("gerf_a"), scale=scale,
                                                   key_mask=key_mask)
             grads["q"], grads["k"] = grads["q"] + dq, grads["k"] + dk

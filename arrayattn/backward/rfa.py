@@ -7,7 +7,7 @@ from __future__ import annotations
 from .. import reference
 from .._engine import entry
 from ..reference.exact_vjp import sum_to_shape
-from ..rfa import checked_rfa
+from .._validate_kernel import checked_rfa
 
 __all__ = ["rfa_attention_vjp"]
 
@@ -17,10 +17,11 @@ def rfa_attention_vjp(q, k, v, do, /, *, num_features=128, seed=0, sigma=1.0,
                       projection="iid", norms="chi", method=None, chunk_size=64, eps=None):
     """``{"q", "k", "v"[, "gate"]}`` of :func:`~arrayattn.rfa_attention`.  Every causal
     ``method`` shares one chunked backward (the forms compute one function)."""
-    p, sigma, causal, chunk_size, method, g, batch, features, eps = checked_rfa(
+    call = checked_rfa(
         q, k, v, num_features=num_features, seed=seed, sigma=sigma, causal=causal,
         gate=gate, key_mask=key_mask, features=features, projection=projection, norms=norms,
         method=method, chunk_size=chunk_size, eps=eps)
+    p, causal, g, batch, features = call.p, call.causal, call.gate, call.batch, call.features
     xp, wd = p.xp, p.work_dtype
     args = {"q": q, "k": k, "v": v}
     if gate is not None and hasattr(gate, "shape"):
@@ -41,8 +42,8 @@ def rfa_attention_vjp(q, k, v, do, /, *, num_features=128, seed=0, sigma=1.0,
         g = g if g is None else rest[0][..., 0]
     with entry(xp):
         grads = reference.rfa_attention_vjp(
-            wq, wk, wv, wdo, omega, sigma=sigma, causal=causal, gate=g, key_mask=key_mask,
-            method=method or "chunked", chunk_size=chunk_size, eps=eps)
+            wq, wk, wv, wdo, omega, sigma=call.sigma, causal=causal, gate=g,
+            key_mask=key_mask, method=call.method, chunk_size=call.chunk_size, eps=call.eps)
         if bad is not None:
             grads = reference.poison_prefix_grads(grads, bad, p.n)
     return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}

@@ -27,7 +27,7 @@ from array_api_compat import array_namespace, device
 
 from .kernel import kernel_attention
 
-__all__ = ["favor_rows", "performer_features", "performer_attention"]
+__all__ = ["favor_rows", "performer_features", "performer_attention", "gerf_optimum"]
 
 
 def favor_rows(omega, *, kind, scale: float, gerf_a=None):
@@ -101,3 +101,25 @@ def performer_attention(q, k, v, omega, *, kind="positive", scale: float, causal
     phi_q, phi_k = performer_features(q, k, omega, kind=kind, scale=scale, causal=causal,
                                       key_mask=key_mask, gerf_a=gerf_a)
     return kernel_attention(phi_q, phi_k, v, causal=causal, key_mask=key_mask, eps=0.0)[0]
+
+
+def gerf_optimum(q, k, *, scale: float, key_mask=None):
+    r"""FAVOR++'s variance-optimal ``A* (..., 1, 1)`` of these inputs (Likhosherstov et
+    al. 2022): ``A* = (1 - 2ρ - sqrt((2ρ + 1)² + 8ρ)) / 16`` with
+    ``ρ = (mean‖q̃‖² + mean‖k̃‖² + 2 q̄̃·k̄̃) / d`` over the real keys."""
+    xp = array_namespace(q, k)
+    root = math.sqrt(abs(scale))
+    qt, kt = q * (-root if scale < 0 else root), k * root
+    mq = xp.mean(xp.sum(qt * qt, axis=-1, keepdims=True), axis=-2, keepdims=True)
+    qbar = xp.mean(qt, axis=-2, keepdims=True)
+    if key_mask is None:
+        mk = xp.mean(xp.sum(kt * kt, axis=-1, keepdims=True), axis=-2, keepdims=True)
+        kbar = xp.mean(kt, axis=-2, keepdims=True)
+    else:
+        wgt = xp.astype(xp.expand_dims(key_mask, axis=-1), q.dtype)
+        cnt = xp.maximum(xp.sum(wgt, axis=-2, keepdims=True), 1.0)
+        kt = xp.where(xp.expand_dims(key_mask, axis=-1), kt, 0.0)   # NaN padding: no 0 * NaN
+        mk = xp.sum(xp.sum(kt * kt, axis=-1, keepdims=True), axis=-2, keepdims=True) / cnt
+        kbar = xp.sum(kt, axis=-2, keepdims=True) / cnt
+    rho = (mq + mk + 2 * xp.sum(qbar * kbar, axis=-1, keepdims=True)) / q.shape[-1]
+    return (1 - 2 * rho - xp.sqrt((2 * rho + 1) ** 2 + 8 * rho)) / 16
