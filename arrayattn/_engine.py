@@ -82,15 +82,16 @@ def use_engine(name: str):
         _choice.reset(token)
 
 
-def numpy_engine(xp, work_bytes: int) -> bool:
+def numpy_engine(xp, work_bytes: int | None) -> bool:
     """Whether this call runs the NumPy engine: NumPy inputs, not forced to the reference,
-    and ``work_bytes`` (the size of the call's largest temporary) large enough to pay."""
+    and ``work_bytes`` (the size of the call's largest temporary) large enough to pay
+    (``None``: whether the engine may run at all, whatever the size)."""
     if not array_api_compat.is_numpy_namespace(xp):
         return False
     choice = engine_choice()
     if choice == "reference":
         return False
-    return choice == "numpy" or work_bytes >= ENGINE_MIN_BYTES
+    return choice == "numpy" or work_bytes is None or work_bytes >= ENGINE_MIN_BYTES
 
 
 def dense_reference(scores: int) -> bool:

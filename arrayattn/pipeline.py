@@ -116,11 +116,13 @@ def working(p, q, k, v, key_mask, *, poison: bool = False) -> Working:
 
 
 def _implementation(spec: Spec, call, w: Working) -> Callable:
+    xp = call.p.xp
     if spec.dense is not None and dense_reference(spec.scores(call)):
         return spec.dense
-    if spec.engine is not None:
+    # the work estimate only where the engine could run: it may read NumPy values
+    if spec.engine is not None and numpy_engine(xp, None):
         work = spec.work(call, w)
-        if work is not None and numpy_engine(call.p.xp, work):
+        if work is not None and numpy_engine(xp, work):
             return spec.engine
     return spec.reference
 
