@@ -19,7 +19,7 @@ from ._validate import (check_array, check_band, check_choice, check_flag, check
 from .reference.masks import zero_masked_keys
 from .registry import Variant, register
 from ._xp import xp_from_host
-from .sparse.executor import block_sparse_attention
+from .sparse.executor import block_sparse_attention, use_threads
 from .sparse.layout import BlockLayout, num_blocks
 from .sparse.patterns import local_layout
 from .sparse.tiles import host_indices
@@ -163,11 +163,12 @@ def pooling_attention(q, k, v, /, *, window=128, pool_window=512, pool_size=4,
                                               key_mask=key_mask, pool=c.pool)
         else:
             y = block_sparse_attention(p, wq * c.scale, k, v, c.lay1, causal=c.causal,
-                                       key_mask=key_mask)
+                                       key_mask=key_mask, threads=use_threads(p, c.lay1))
             kbar, valid = pool_keys(xp, k2, c.start, c.end, c.pool, key_mask, device=dev)
             vbar, _ = pool_keys(xp, v2, c.start, c.end, c.pool, key_mask, device=dev)
             out = y + block_sparse_attention(c.pm, wq2 * c.scale2, kbar, vbar, c.lay2,
-                                             causal=c.causal, key_mask=valid)
+                                             causal=c.causal, key_mask=valid,
+                                             threads=use_threads(c.pm, c.lay2))
     return xp.astype(out, p.dtype, copy=False)
 
 

@@ -47,11 +47,8 @@ def _assert_flat(counts):
         f"{counts[1]} at n={SIZES[1]} (a Python loop over the sequence is unrolled)")
 
 
-#: Loops that are not scans yet (issue #26 stays open for them): the block-sparse chunk
-#: loop of the sparse package's executor (its scanned form was built on the module before
-#: it became a package and is still to be carried over), which strided and fixed reach.
-OPEN = {"strided": "block-sparse chunk loop not a scan yet (#26)",
-        "fixed": "block-sparse chunk loop not a scan yet (#26)"}
+#: Loops that are not scans yet (issue #26 stays open for them).
+OPEN: dict = {}
 
 
 @pytest.mark.parametrize("rec", [pytest.param(r, marks=pytest.mark.xfail(

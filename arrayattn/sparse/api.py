@@ -9,7 +9,7 @@ from .._engine import dense_reference, entry
 from .._validate import (check_bias, check_flag, check_key_mask, check_qkv, check_scale)
 from ..reference.masks import zero_masked_keys
 from ..registry import Variant, register
-from .executor import block_sparse_attention
+from .executor import block_sparse_attention, use_threads
 from .layout import BlockLayout
 from .patterns import (bigbird_layout, fixed_layout, local_layout, longformer_layout,
                        strided_layout)
@@ -116,7 +116,8 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
             out = reference.sparse_attention(wq, wk, wv, allowed, scale=scale, bias=bias)
         else:
             out = block_sparse_attention(p, wq * scale, wk, wv, layout, causal=causal,
-                                         key_mask=key_mask, bias=bias)
+                                         key_mask=key_mask, bias=bias,
+                                         threads=use_threads(p, layout))
     return xp.astype(out, p.dtype, copy=False)
 
 
