@@ -212,9 +212,11 @@ def scanned_group(g: Gathered, group, per_slot: int, per_row: int, budget: int):
     xp, dev, b = g.xp, g.device, g.layout.block_size
     rows, idx, valid = group
     count, r = rows.size, idx.shape[1]
-    step = min(count, max(1, budget // (r * per_slot + per_row)))
-    span = min(r, max(1, budget // per_slot))
-    chunks, parts = -(-count // step), -(-r // span)
+    # as many chunks (parts) as the budget asks for, all of one size: the fill is less
+    # than one block per chunk (slot per part)
+    chunks = -(-count // max(1, budget // (r * per_slot + per_row)))
+    parts = -(-r // max(1, budget // per_slot))
+    step, span = -(-count // chunks), -(-r // parts)
     rows, idx, valid = (np.concatenate([x, np.repeat(x[-1:], chunks * step - count, axis=0)])
                         for x in (rows, idx, valid))
     idx, valid = (np.pad(x, ((0, 0), (0, parts * span - r))) for x in (idx, valid))
