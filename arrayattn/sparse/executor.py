@@ -207,8 +207,8 @@ def scanned_group(g: Gathered, group, per_slot: int, per_row: int, budget: int):
     chunk, over parts of ``span`` key blocks (masked slots fill the last part) whose
     partial softmaxes are merged by log-sum-exp.  The pattern's tables are built once
     on the host (:func:`~arrayattn.sparse.tiles.mask_tables`) and scanned with the
-    chunks; the mask of a part is made from its slice (``step``, ``span`` as
-    :func:`cut_chunks` sizes them for ``budget``)."""
+    chunks; the mask of a part is made from its slice.  ``budget`` bounds a chunk's
+    elements as in :func:`cut_chunks`; the chunks (parts) are of equal size."""
     xp, dev, b = g.xp, g.device, g.layout.block_size
     rows, idx, valid = group
     count, r = rows.size, idx.shape[1]
