@@ -239,16 +239,16 @@ def _dense(call: PoolingCall, w: Working):
 
 
 def _levels(call: PoolingCall, w: Working, *, threads: bool):
-    """Both levels on the block-sparse executor (``threads``: on the NumPy engine's
-    threads; the executor still decides that itself, see NOTES-pipe-sparse)."""
+    """Both levels on the block-sparse executor (``threads``: its chunks on the NumPy
+    engine's threads, else its scans)."""
     xp, dev, km = call.p.xp, call.p.device, call.key_mask
     q2, k2, v2 = level2(call, w)
     y = block_sparse_attention(call.p, w.q * call.scale, w.k, w.v, call.lay1,
-                               causal=call.causal, key_mask=km)
+                               causal=call.causal, key_mask=km, threads=threads)
     kbar, valid = pool_keys(xp, k2, call.start, call.end, call.pool, km, device=dev)
     vbar, _ = pool_keys(xp, v2, call.start, call.end, call.pool, km, device=dev)
     return y + block_sparse_attention(call.pm, q2 * call.scale2, kbar, vbar, call.lay2,
-                                      causal=call.causal, key_mask=valid)
+                                      causal=call.causal, key_mask=valid, threads=threads)
 
 
 def _work(call: PoolingCall, w: Working) -> int:

@@ -149,7 +149,8 @@ def main(argv=None):
     lines = [f"Machine: {meta['machine'].get('cpu', '?')}, {meta['machine'].get('cpus')} "
              f"cores, load average {tuple(round(x, 1) for x in meta['machine'].get('load_average', ()))}; jax.jit on the "
              f"CPU, {meta['workload']}.  Reference: dense softmax at n = {sizes[0]} "
-             f"compiles in {ref_s:.2f} s here; (Nx) = compile time / that.", "",
+             + (f"compiles in {ref_s:.2f} s here; (Nx) = compile time / that." if ref_s
+                else f"did not compile here ({ref.get('error', '?')[:80]})."), "",
              "Each cell: XLA compile seconds (wall, and CPU seconds), run milliseconds "
              "(median), (wall compile / reference), constant-folding alarms if any.", "",
              "| variant | ops | " + " | ".join(f"n={n}" for n in sizes) + " | "

@@ -47,11 +47,8 @@ def _assert_flat(counts):
         f"{counts[1]} at n={SIZES[1]} (a Python loop over the sequence is unrolled)")
 
 
-#: Loops that are not scans yet (issue #26 stays open for them): the block-sparse chunk
-#: loop of the sparse package's executor (its scanned form was built on the module before
-#: it became a package and is still to be carried over), which strided and fixed reach.
-OPEN = {"strided": "block-sparse chunk loop not a scan yet (#26)",
-        "fixed": "block-sparse chunk loop not a scan yet (#26)"}
+#: Loops that are not scans yet (issue #26 stays open for them).
+OPEN: dict = {}
 
 
 @pytest.mark.parametrize("rec", [pytest.param(r, marks=pytest.mark.xfail(
@@ -87,6 +84,29 @@ FORMS = {
 def test_forms(name):
     """The recurrent forms, gated RFA and blockwise exact with options."""
     _assert_flat([_ops(FORMS[name], *[(1, 2, n, 16)] * 3) for n in SIZES])
+
+
+#: Block-sparse calls whose scanned plan runs in several chunks and parts under a small
+#: memory budget (:func:`test_sparse_chunks_and_parts`).
+SPARSE = {
+    "bigbird": lambda q, k, v: arrayattn.get_variant("bigbird")(q, k, v, causal=True),
+    "strided": lambda q, k, v: arrayattn.get_variant("strided")(q, k, v, causal=True),
+    "poolingformer": lambda q, k, v: arrayattn.get_variant("poolingformer")(q, k, v),
+    "local bias key mask": lambda q, k, v: arrayattn.local_attention(
+        q, k, v, window=40, block_size=16, bias=q[..., :1] * k[..., 0][..., None, :],
+        key_mask=k[..., 1] > 0),
+}
+
+
+@pytest.mark.parametrize("name", list(SPARSE))
+def test_sparse_chunks_and_parts(name, monkeypatch):
+    """The scanned block-sparse executor with a budget of a few key blocks: every group
+    of its plan is a scan over many chunks of query blocks and, inside, over parts of
+    their key blocks (merged by log-sum-exp) -- still one loop body each."""
+    import arrayattn.sparse.executor as executor
+
+    monkeypatch.setattr(executor, "_CHUNK_ELEMENTS", 1 << 12)
+    _assert_flat([_ops(SPARSE[name], *[(1, 2, n, 16)] * 3) for n in SIZES])
 
 
 @pytest.mark.xfail(strict=True, reason="LSH's rounds and blocks of chunks now share one "

@@ -197,10 +197,11 @@ def _dense(call: SparseCall, w: Working):
 
 
 def _gathered(call: SparseCall, w: Working, *, threads: bool):
-    """The block-sparse executor on the layout's gather plan (``threads``: on the NumPy
-    engine's threads; the executor still decides that itself, see NOTES-pipe-sparse)."""
+    """The block-sparse executor on the layout's gather plan: scans over chunks of query
+    blocks (the reference form), or its chunks on the NumPy engine's threads."""
     return block_sparse_attention(call.p, w.q * call.scale, w.k, w.v, call.layout,
-                                  causal=call.causal, key_mask=call.key_mask, bias=call.bias)
+                                  causal=call.causal, key_mask=call.key_mask, bias=call.bias,
+                                  threads=threads)
 
 
 def _work(call: SparseCall, w: Working) -> int:

@@ -1,5 +1,16 @@
 """The block-sparse executor: a layout's gather plan run chunk by chunk within a memory
-budget (for sparse attention, Poolingformer and their backwards)."""
+budget (for sparse attention, Poolingformer and their backwards).
+
+Two forms of the same sums, chosen by the caller (``threads``):
+
+* the NumPy engine's: the full plan (:attr:`BlockLayout.plan`) cut into chunks run in
+  threads (:func:`arrayattn._numpy.sparse.map_chunks`);
+* the scanned form, everywhere else: the plan in a few groups
+  (:attr:`BlockLayout.scan_plan`), per group a :func:`~arrayattn.reference.scan.scan`
+  over equal chunks of query blocks and, inside, over equal parts of their key blocks,
+  merged by log-sum-exp.  Under ``jax.jit`` each loop body is traced once, so the
+  compiled program does not grow with ``n`` (#26).
+"""
 from __future__ import annotations
 
 import math
@@ -11,10 +22,11 @@ import numpy as np
 from .. import reference
 from .._engine import numpy_engine
 from .._numpy.sparse import map_chunks
-from .tiles import blocked, host_indices, tile_bias, tile_mask
+from ..reference.scan import scan
+from .tiles import PER_KEY, blocked, host_indices, mask_from, mask_tables, tile_bias_at, tile_mask
 
-__all__ = ["block_sparse_attention", "Gathered", "gathered", "cut_chunks", "spans",
-           "in_block_order", "unblock"]
+__all__ = ["block_sparse_attention", "plan_work", "use_threads", "Gathered", "gathered", "cut_chunks",
+           "spans", "in_block_order", "unblock"]
 
 #: Elements of the score tile plus gathered keys/values processed at once (per chunk of
 #: query blocks); bounds the working memory at a few hundred MB in float32.
@@ -48,18 +60,31 @@ class Gathered:
         """One span of a query-major chunk: query blocks ``rows (G,)`` against key blocks
         ``idx (G, R)``: the key blocks' device indices, the allowed mask
         ``(..., G, b, R b)`` (pattern and key mask) and the bias on the tiles."""
-        xp, dev, b = self.xp, self.device, self.layout.block_size
+        xp, dev = self.xp, self.device
         idx_x = host_indices(xp, idx, dev)
         allowed = tile_mask(xp, self.layout, rows, idx, valid, causal=self.causal, device=dev)
+        return (idx_x, self.key_masked(idx_x, allowed),
+                self.bias_on(host_indices(xp, rows, dev), idx_x))
+
+    def key_masked(self, idx, allowed):
+        """The pattern's mask ``allowed (G, b, R b)`` on the key blocks ``idx (G, R)``
+        (device integers) and the key mask: ``(..., G, b, R b)``."""
         km = self.key_mask
-        if km is not None:
-            kmc = xp.take(km, xp.reshape(idx_x, (-1,)), axis=km.ndim - 3)
-            allowed = allowed & xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
-                                                 idx.shape[1] * b))
-        kpos = (idx[:, :, None] * b + np.arange(b)).reshape(idx.shape[0], -1)
-        tb = None if self.bias is None else tile_bias(xp, self.bias, rows, kpos, self.layout,
-                                                      dev)
-        return idx_x, allowed, tb
+        if km is None:
+            return allowed
+        kmc = self.xp.take(km, self.xp.reshape(idx, (-1,)), axis=km.ndim - 3)
+        return allowed & self.xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
+                                               idx.shape[1] * kmc.shape[-2]))
+
+    def bias_on(self, rows, idx):
+        """The bias on the tiles of query blocks ``rows (G,)`` and key blocks ``idx (G, R)``
+        (device integers), or ``None``."""
+        if self.bias is None:
+            return None
+        xp, b = self.xp, self.layout.block_size
+        kpos = idx[:, :, None] * b + xp.arange(b, dtype=idx.dtype, device=self.device)
+        return tile_bias_at(xp, self.bias, rows, xp.reshape(kpos, (idx.shape[0], -1)),
+                            self.layout)
 
     def attend(self, qc, tiles):
         """Softmax attention of the gathered queries ``qc (..., G, b, d)`` over the spans
@@ -85,10 +110,25 @@ def gathered(p, q, k, v, layout, *, causal: bool, key_mask, bias=None) -> Gather
     xp, dev, b = p.xp, p.device, layout.block_size
     nqb, nkb = layout.blocks.shape
     km = None if key_mask is None else blocked(xp, key_mask[..., None], nkb, b, device=dev)
-    work = layout.count_computed() * math.prod(p.batch) * (xp.finfo(q.dtype).bits // 8)
     return Gathered(xp=xp, device=dev, layout=layout, causal=causal or layout.causal,
                     q=blocked(xp, q, nqb, b, device=dev), k=blocked(xp, k, nkb, b, device=dev),
-                    v=blocked(xp, v, nkb, b, device=dev), key_mask=km, bias=bias, work=work)
+                    v=blocked(xp, v, nkb, b, device=dev), key_mask=km, bias=bias,
+                    work=plan_work(p, layout))
+
+
+def plan_work(p, layout) -> int:
+    """Bytes of the scores the gather plan of ``layout`` computes for a call checked as
+    ``p`` (in its working dtype): what :func:`~arrayattn._engine.numpy_engine` weighs
+    to choose the threaded chunks."""
+    return (layout.count_computed() * math.prod(p.batch)
+            * (p.xp.finfo(p.work_dtype).bits // 8))
+
+
+def use_threads(p, layout) -> bool:
+    """Whether a call checked as ``p`` pays for the NumPy engine's threaded chunks
+    (:func:`~arrayattn._engine.numpy_engine` on :func:`plan_work`): the ``threads`` a
+    caller of :func:`block_sparse_attention` passes."""
+    return numpy_engine(p.xp, plan_work(p, layout))
 
 
 def cut_chunks(plan, per_slot: int, per_row: int, budget: int) -> list:
@@ -128,24 +168,89 @@ def unblock(xp, x, count: int):
     return x[..., :count, :] if x.shape[-2] != count else x
 
 
-def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=None):
-    """The gather plan of ``layout`` run group by group on
+def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=None,
+                           threads: bool = False):
+    """The gather plan of ``layout`` run on
     :func:`arrayattn.reference.sparse.gathered_attention`. ``q`` is already scaled; all in
     the working dtype. Rows too long for the memory budget (global rows reach every
     block) are split over their key blocks too, and the partial softmaxes merged by
-    log-sum-exp (:func:`arrayattn.reference.sparse.merge_attention`)."""
+    log-sum-exp (:func:`arrayattn.reference.sparse.merge_attention`).  ``threads``: the
+    NumPy engine's threaded chunks of the full plan (the caller's choice, NumPy inputs
+    only); else the scanned form (:func:`scanned_group`)."""
     xp = p.xp
     if math.prod(p.batch) == 0:          # an empty batch (no heads): nothing to plan
         return xp.zeros((*p.batch, p.n, p.dv), dtype=q.dtype, device=p.device)
     g = gathered(p, q, k, v, layout, causal=causal, key_mask=key_mask, bias=bias)
     b, batch = layout.block_size, math.prod(p.batch)
-    chunks = cut_chunks(layout.plan, batch * (b * b + b * (p.d + p.dv)),
-                        batch * b * (p.d + p.dv), _CHUNK_ELEMENTS)
+    per_slot, per_row = batch * (b * b + b * (p.d + p.dv)), batch * b * (p.d + p.dv)
+    if not threads:
+        groups = layout.scan_plan
+        outs = [scanned_group(g, group, per_slot, per_row, _CHUNK_ELEMENTS)
+                for group in groups]
+        return unblock(xp, in_block_order(xp, outs, groups, -3, p.device), p.n)
+    chunks = cut_chunks(layout.plan, per_slot, per_row, _CHUNK_ELEMENTS)
 
     def attend_chunk(chunk):
         rows, idx, valid, span = chunk
         tiles = (g.span(rows, i, m) for i, m in spans(idx, valid, span))
         return g.attend(g.take(g.q, rows), tiles)[0]                 # (..., G, b, dv)
 
-    outs = g.run(attend_chunk, chunks)
+    outs = map_chunks(attend_chunk, chunks)
     return unblock(xp, in_block_order(xp, outs, chunks, -3, p.device), p.n)
+
+
+def scanned_group(g: Gathered, group, per_slot: int, per_row: int, budget: int):
+    """One group ``(rows, idx, valid)`` of the scanned plan: ``(..., G, b, dv)``.
+
+    A :func:`~arrayattn.reference.scan.scan` over chunks of ``step`` query blocks (the
+    last block repeated to fill the last chunk, the repeats dropped after) and, in each
+    chunk, over parts of ``span`` key blocks (masked slots fill the last part) whose
+    partial softmaxes are merged by log-sum-exp.  The pattern's tables are built once
+    on the host (:func:`~arrayattn.sparse.tiles.mask_tables`) and scanned with the
+    chunks; the mask of a part is made from its slice.  ``budget`` bounds a chunk's
+    elements as in :func:`cut_chunks`; the chunks (parts) are of equal size."""
+    xp, dev, b = g.xp, g.device, g.layout.block_size
+    rows, idx, valid = group
+    count, r = rows.size, idx.shape[1]
+    # as many chunks (parts) as the budget asks for, all of one size: the fill is less
+    # than one block per chunk (slot per part)
+    chunks = -(-count // max(1, budget // (r * per_slot + per_row)))
+    parts = -(-r // max(1, budget // per_slot))
+    step, span = -(-count // chunks), -(-r // parts)
+    rows, idx, valid = (np.concatenate([x, np.repeat(x[-1:], chunks * step - count, axis=0)])
+                        for x in (rows, idx, valid))
+    idx, valid = (np.pad(x, ((0, 0), (0, parts * span - r))) for x in (idx, valid))
+    t = mask_tables(xp, g.layout, rows, idx, valid, causal=g.causal, device=dev)
+    # (chunks, step, parts, span [* b]) and (chunks, step, b): scanned along axis 0, then
+    # a chunk's parts along axis -2
+    t = {name: xp.reshape(a, (chunks, step, parts, span * b) if name in PER_KEY
+                          else (chunks, step, b)) for name, a in t.items()}
+    t["idx"] = xp.reshape(host_indices(xp, idx, dev), (chunks, step, parts, span))
+    t["rows"] = xp.reshape(host_indices(xp, rows, dev), (chunks, step))
+    names = list(t)
+    per_part = [name for name in names if name == "idx" or name in PER_KEY]
+
+    def chunk(_, *tables):
+        c = dict(zip(names, tables))
+        qc = xp.take(g.q, c["rows"], axis=g.q.ndim - 3)
+
+        def attend(*tiles):
+            tile = {**c, **dict(zip(per_part, tiles))}
+            allowed = mask_from(xp, g.layout, tile, causal=g.causal)
+            return reference.gathered_attention(qc, g.k, g.v, tile["idx"],
+                                                g.key_masked(tile["idx"], allowed),
+                                                g.bias_on(c["rows"], tile["idx"]))
+
+        if parts == 1:                            # whole rows at once: nothing to merge
+            return None, attend(*(c[name][..., 0, :] for name in per_part))[0]
+        empty = (xp.zeros((step, b, g.v.shape[-1]), dtype=g.q.dtype, device=dev),
+                 xp.full((step, b), -xp.inf, dtype=g.q.dtype, device=dev))
+        (out, _), _ = scan(lambda merged, *tiles: (
+            reference.merge_attention(*merged, *attend(*tiles)), None),
+            empty, [c[name] for name in per_part], axis=-2)
+        return None, out
+
+    _, out = scan(chunk, None, [t[name] for name in names], axis=0)   # (C, ..., step, b, dv)
+    out = xp.permute_dims(out, (*range(1, out.ndim - 3), 0, *range(out.ndim - 3, out.ndim)))
+    out = xp.reshape(out, (*out.shape[:-4], chunks * step, *out.shape[-2:]))
+    return out[..., :count, :, :]                                     # the repeats dropped

@@ -15,6 +15,10 @@ __all__ = ["BlockLayout", "num_blocks", "group_rows"]
 # The cost of one more group of query blocks, in score elements: a group is a dozen
 # array operations, worth about this much padded work.
 _GROUP_OVERHEAD = 1 << 17
+# Groups of the scanned plan (every path but the NumPy engine's threads): a bound on
+# the loop bodies of its program -- a group is one scan over its chunks -- and the share
+# of the one-group work a group more must save.
+_SCAN_GROUPS, _SCAN_SPLIT = 4, 0.05
 # Elements of the host tiles :meth:`BlockLayout.count_allowed` builds at once.
 _COUNT_ELEMENTS = 1 << 23
 
@@ -24,7 +28,8 @@ def num_blocks(n: int, b: int) -> int:
     return -(-n // b)
 
 
-def group_rows(support: np.ndarray, block_size: int, overhead: int) -> tuple:
+def group_rows(support: np.ndarray, block_size: int, overhead: int,
+               max_groups: int | None = None) -> tuple:
     """Groups ``(rows, idx, valid)`` of the rows of a boolean block matrix ``support``:
     ``rows (G,)`` row blocks, ``idx (G, R)`` the column blocks each gathers (sorted,
     padded with masked slots), ``valid (G, R)`` which slots are real.
@@ -32,25 +37,21 @@ def group_rows(support: np.ndarray, block_size: int, overhead: int) -> tuple:
     Rows are sorted by how many blocks they reach and cut into contiguous groups
     minimising padded work plus ``overhead`` per group (a small dynamic programme over
     the distinct counts), so a few global rows that reach every block do not pad the
-    many local rows, and a handful of edge rows do not cost a group of their own."""
+    many local rows, and a handful of edge rows do not cost a group of their own.
+    With ``max_groups`` (the scanned form's plan, :attr:`BlockLayout.scan_plan`): at
+    most that many groups, a group more only where it saves ``_SCAN_SPLIT`` of the
+    one-group work -- a relative price, so that a pattern is cut the same way at every
+    ``n``."""
     sup, b = support, block_size
     counts = np.maximum(sup.sum(axis=1), 1)
     order = np.argsort(-counts, kind="stable")
     vals, first = np.unique(-counts[order], return_index=True)
     vals, bounds = -vals, np.r_[first, order.size]
-    m = vals.size
-    best, cut = np.zeros(m + 1), np.zeros(m + 1, dtype=np.int64)
-    for t in range(1, m + 1):
-        costs = [best[u] + vals[u] * (bounds[t] - bounds[u]) * b * b + overhead
-                 for u in range(t)]
-        cut[t] = int(np.argmin(costs))
-        best[t] = costs[cut[t]]
-    segments, t = [], m
-    while t > 0:
-        segments.append((cut[t], t))
-        t = cut[t]
+    tile = b * b
+    segments = (_cheapest_cuts(vals, bounds, tile, overhead) if max_groups is None
+                else _few_cuts(vals, bounds, tile, max_groups))
     groups = []
-    for u, t in reversed(segments):
+    for u, t in segments:
         rows = np.sort(order[bounds[u]:bounds[t]])
         r = int(vals[u])
         idx = np.argsort(~sup[rows], axis=1, kind="stable")[:, :r]
@@ -58,6 +59,47 @@ def group_rows(support: np.ndarray, block_size: int, overhead: int) -> tuple:
         groups.append((rows, idx, valid))
     return tuple(groups)
 
+
+def _cheapest_cuts(vals, bounds, tile: int, overhead: int) -> list:
+    """Contiguous groups ``[(u, t)]`` of the counts ``vals`` (descending; count ``u`` holds
+    rows ``bounds[u] .. bounds[u + 1] - 1``) of least padded work plus ``overhead`` each:
+    group ``u .. t - 1`` is padded to ``vals[u]`` blocks."""
+    m = vals.size
+    best, cut = np.zeros(m + 1), np.zeros(m + 1, dtype=np.int64)
+    for t in range(1, m + 1):
+        costs = [best[u] + vals[u] * (bounds[t] - bounds[u]) * tile + overhead
+                 for u in range(t)]
+        cut[t] = int(np.argmin(costs))
+        best[t] = costs[cut[t]]
+    segments, t = [], m
+    while t > 0:
+        segments.append((cut[t], t))
+        t = cut[t]
+    return segments[::-1]
+
+
+def _few_cuts(vals, bounds, tile: int, max_groups: int) -> list:
+    """The cut of :func:`_cheapest_cuts` in at most ``max_groups`` groups, each group more
+    saving at least ``_SCAN_SPLIT`` of the padded work of one group."""
+    m = vals.size
+    levels = min(m, max_groups)
+    # best[g, t]: the least padded work of the first t counts in g + 1 groups
+    best = np.full((levels, m + 1), np.inf)
+    cut = np.zeros((levels, m + 1), dtype=np.int64)
+    best[0, 1:] = [vals[0] * bounds[t] * tile for t in range(1, m + 1)]
+    for g in range(1, levels):
+        for t in range(g + 1, m + 1):
+            costs = [best[g - 1, u] + vals[u] * (bounds[t] - bounds[u]) * tile
+                     if u >= g else np.inf for u in range(t)]
+            cut[g, t] = int(np.argmin(costs))
+            best[g, t] = costs[cut[g, t]]
+    price = _SCAN_SPLIT * best[0, m]
+    segments, t, g = [], m, int(np.argmin(best[:, m] + price * np.arange(levels)))
+    while t > 0:
+        u = int(cut[g, t]) if g else 0
+        segments.append((u, t))
+        t, g = u, g - 1
+    return segments[::-1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,6 +301,13 @@ class BlockLayout:
         ``valid (G, R)`` which slots are real (:func:`group_rows`:
         grouped by how many key blocks they reach)."""
         return group_rows(self.support, self.block_size, _GROUP_OVERHEAD)
+
+    @cached_property
+    def scan_plan(self) -> tuple:
+        """:attr:`plan` in at most ``_SCAN_GROUPS`` groups, a group more only where it
+        saves ``_SCAN_SPLIT`` of the padded work: each group is one loop body of the
+        scanned executor, so a pattern's compiled program is the same at every ``n``."""
+        return group_rows(self.support, self.block_size, _GROUP_OVERHEAD, _SCAN_GROUPS)
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())

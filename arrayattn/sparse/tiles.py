@@ -2,11 +2,13 @@
 and a bias on gathered tiles."""
 from __future__ import annotations
 
+import array_api_compat
 import numpy as np
 
 from .._xp import xp_from_host
 
-__all__ = ["host_indices", "tile_mask", "tile_bias", "blocked"]
+__all__ = ["host_indices", "tile_mask", "mask_tables", "mask_from", "PER_KEY", "tile_bias",
+           "tile_bias_at", "blocked"]
 
 
 def host_indices(xp, a, device):
@@ -44,39 +46,76 @@ def _chunk_masks(layout, rows, idx, valid, *, causal: bool):
 def tile_mask(xp, layout, rows, idx, valid, *, causal: bool, device):
     """The pattern's boolean ``(G, b, R*b)`` mask over the gathered tiles of query blocks
     ``rows`` and key blocks ``idx`` (no key mask), built on ``device`` from ``O(G R b)``
-    host integers. The one place the pattern's token-level rules are applied."""
+    host integers (:func:`mask_tables`, then :func:`mask_from`)."""
+    return mask_from(xp, layout, mask_tables(xp, layout, rows, idx, valid, causal=causal,
+                                             device=device), causal=causal)
+
+
+#: The tables of :func:`mask_tables` with one entry per gathered key slot (the others
+#: have one per query row).
+PER_KEY = ("code", "kend", "kstart")
+
+
+def mask_tables(xp, layout, rows, idx, valid, *, causal: bool, device) -> dict:
+    """The host description of the tiles of query blocks ``rows (G,)`` and key blocks
+    ``idx, valid (G, R)`` as device int32 arrays, by name, only those the pattern's
+    rules use: ``code (G, R*b)`` (0 padding, 1 reachable, 2 allowed by a whole block or a
+    global key), ``kend``/``kstart (G, R*b)`` (the keys' last and first positions),
+    ``apos (G, b)`` (the queries' positions), ``gq (G, b)`` (global queries)."""
     kstart, kend, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
                                                              causal=causal)
-    code_x = xp.expand_dims(host_indices(xp, code, device), axis=-2)          # (G, 1, Rb)
+    host = {"code": code}
+    if needs_rules:
+        host.update(kend=kend, apos=apos)
+        if kstart is not kend:
+            host["kstart"] = kstart
+        if gq is not None:
+            host["gq"] = gq
+    return {name: host_indices(xp, a, device) for name, a in host.items()}
+
+
+def mask_from(xp, layout, t: dict, *, causal: bool):
+    """The ``(G, b, R*b)`` mask from the tables ``t`` of :func:`mask_tables` (or a
+    scanned chunk's slice of them, ``G`` any leading shape): the one place the pattern's
+    token-level rules are applied."""
+    code_x = xp.expand_dims(t["code"], axis=-2)                              # (G, 1, Rb)
     allowed = code_x == 2
-    if not needs_rules:
+    if "apos" not in t:
         return allowed
-    kend_x = xp.expand_dims(host_indices(xp, kend, device), axis=-2)          # (G, 1, Rb)
-    kstart_x = kend_x if kstart is kend else xp.expand_dims(host_indices(xp, kstart, device),
-                                                            axis=-2)
-    apos_x = xp.expand_dims(host_indices(xp, apos, device), axis=-1)          # (G, b, 1)
+    kend_x = xp.expand_dims(t["kend"], axis=-2)                              # (G, 1, Rb)
+    kstart_x = xp.expand_dims(t["kstart"], axis=-2) if "kstart" in t else kend_x
+    apos_x = xp.expand_dims(t["apos"], axis=-1)                              # (G, b, 1)
     reach = code_x >= 1
     if layout.window is not None:
         left, right = layout.window
         allowed = allowed | (reach & (kstart_x >= apos_x - left) & (kend_x <= apos_x + right))
-    if gq is not None:
-        allowed = allowed | (reach & (xp.expand_dims(host_indices(xp, gq, device), axis=-1) > 0))
+    if "gq" in t:
+        allowed = allowed | (reach & (xp.expand_dims(t["gq"], axis=-1) > 0))
     if causal:
         allowed = allowed & (kend_x <= apos_x)
     return allowed
 
 
 def tile_bias(xp, bias, rows, kpos, layout, device):
-    """The bias on the gathered tiles ``(..., G, b, R*b)``: its query rows, then each
-    group's key positions (padding slots read a clamped, masked-off entry)."""
+    """The bias on the gathered tiles ``(..., G, b, K)`` of query blocks ``rows (G,)`` and
+    key positions ``kpos (G, K)`` (host integers; :func:`tile_bias_at`)."""
+    return tile_bias_at(xp, bias, host_indices(xp, rows, device),
+                        host_indices(xp, kpos, device), layout)
+
+
+def tile_bias_at(xp, bias, rows, kpos, layout):
+    """The bias on the gathered tiles ``(..., G, b, K)``: its rows of query blocks
+    ``rows (G,)``, then each group's key positions ``kpos (G, K)`` (device integers;
+    positions past the ends read a clamped entry, which the mask takes out)."""
     b, n, s = layout.block_size, layout.n, layout.s
-    qrows = np.minimum(rows[:, None] * b + np.arange(b), n - 1).reshape(-1)
-    rb = xp.take(bias, host_indices(xp, qrows, device), axis=bias.ndim - 2)
-    rb = xp.reshape(rb, (*rb.shape[:-2], rows.size, b, s))
-    info = xp.__array_namespace_info__()
-    index = info.default_dtypes(device=device)["indexing"]   # torch: int64 only
-    cols = xp_from_host(xp, np.minimum(kpos, s - 1)[:, None, :], dtype=index, device=device)
-    return xp.take_along_axis(rb, xp.broadcast_to(cols, (*rb.shape[:-1], kpos.shape[1])),
+    dev = array_api_compat.device(bias)
+    index = xp.__array_namespace_info__().default_dtypes(device=dev)["indexing"]  # torch: int64
+    ar = xp.arange(b, dtype=index, device=dev)
+    qrows = xp.minimum(xp.astype(rows, index)[:, None] * b + ar, n - 1)       # (G, b)
+    rb = xp.take(bias, xp.reshape(qrows, (-1,)), axis=bias.ndim - 2)
+    rb = xp.reshape(rb, (*rb.shape[:-2], rows.shape[0], b, s))
+    cols = xp.minimum(xp.astype(kpos, index), s - 1)[:, None, :]             # (G, 1, K)
+    return xp.take_along_axis(rb, xp.broadcast_to(cols, (*rb.shape[:-1], kpos.shape[-1])),
                               axis=-1)
 
 
