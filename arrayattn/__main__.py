@@ -1,3 +1,4 @@
+"""``python -m arrayattn``: the command line (:mod:`arrayattn.cli`)."""
 import sys
 
 from .cli import main
