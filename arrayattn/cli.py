@@ -13,10 +13,9 @@ import math
 import sys
 import zipfile
 
-REQUIRED = ("q", "k", "v", "out")
-
 __all__ = ["UsageError", "parse_option", "load_npz", "run_validate", "main"]
 
+REQUIRED = ("q", "k", "v", "out")
 #: Largest array an .npz file may claim (its header is read before the array).
 MAX_BYTES = 2**33
 #: Integer options beyond this (num_features, num_landmarks ...) cannot be meant.

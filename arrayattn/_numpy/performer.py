@@ -43,6 +43,27 @@ def _exp_shifted(a, shift):
     return np.exp(a, out=a)
 
 
+def _signed_maps(q, k, w, a, *, kind, causal: bool, keys, keep):
+    """:func:`performer_maps` of the kinds without a max-shifted exponential: trig
+    (``sin``/``cos`` of ``ω·x``, times ``e^{-‖k̃‖²/2}`` on the keys), relu and a user
+    function of ``ω·x``."""
+    if kind == "trig":
+        kk, hk = keys(0, k.shape[-2])
+        wp = np.swapaxes(_augment(w, np.swapaxes(a, -1, -2)), -1, -2)
+        phi_q = np.sin(_augment(q, 1.0) @ wp)
+        sk = np.sin(_augment(kk, 1.0) @ wp)
+        if not causal:   # not causal-safe: a key max over the whole sequence
+            top = np.max(hk, axis=-2, keepdims=True)
+            hk = hk - np.where(top == -np.inf, 0.0, top)
+        return rows_of(phi_q), rows_of(sk * np.exp(hk))
+    g = (lambda t: np.maximum(t, 0.0)) if kind == "relu" else kind
+    wt = np.swapaxes(w, -1, -2)
+    phi_q, phi_k = g(q @ wt), g(k @ wt)
+    if keep is not None:
+        phi_k = np.where(keep, phi_k, 0.0)
+    return rows_of(phi_q), rows_of(phi_k)
+
+
 def performer_maps(q, k, rows, *, kind, scale: float, causal: bool, key_mask=None):
     """Row-block callables ``(i0, i1) -> φq[..., i0:i1, :]`` and ``(j0, j1) -> φk`` (for
     non-causal exponential kinds ``(φk / exp(shift), shift)``) of the stabilised features.
@@ -68,20 +89,7 @@ def performer_maps(q, k, rows, *, kind, scale: float, causal: bool, key_mask=Non
         return kb, hb
 
     if not exp_kind:
-        if kind == "trig":
-            kk, hk = keys(0, k.shape[-2])
-            wp = np.swapaxes(_augment(w, col(a)), -1, -2)
-            phi_q = np.sin(_augment(q, 1.0) @ wp)
-            sk = np.sin(_augment(kk, 1.0) @ wp)
-            if not causal:   # not causal-safe: a key max over the whole sequence
-                top = np.max(hk, axis=-2, keepdims=True)
-                hk = hk - np.where(top == -np.inf, 0.0, top)
-            return rows_of(phi_q), rows_of(sk * np.exp(hk))
-        g = (lambda t: np.maximum(t, 0.0)) if kind == "relu" else kind
-        phi_q, phi_k = g(q @ wt), g(k @ wt)
-        if keep is not None:
-            phi_k = np.where(keep, phi_k, 0.0)
-        return rows_of(phi_q), rows_of(phi_k)
+        return _signed_maps(q, k, w, a, kind=kind, causal=causal, keys=keys, keep=keep)
     if causal:
         # keys: a_f + B ω_f·k̃ - ‖k̃‖²/2 - c_f = -‖k̃ - B ω_f‖²/2 <= 0 depends on that key
         # alone; queries carry +c_f and are divided by their own row max
