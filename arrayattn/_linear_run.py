@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 from . import reference
-from ._engine import entry
 from ._linear_state import LinearAttentionState
 from ._numpy import kernel as numpy_kernel
 from ._validate_kernel import KernelCall, check_efficient, check_features, check_linear

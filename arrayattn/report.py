@@ -35,19 +35,18 @@ registered variant appears without any change here.  Columns:
 """
 from __future__ import annotations
 
-import json
 import math
-import platform
 import statistics
 import sys
 import time
 import tracemalloc
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._backends import get_array_backend
 from ._xp import to_numpy
+from .report_json import machine_info, rows_as_dicts, write_json
 from .registry import Variant, attention_matrix, get_variant, variants
 from .report_plot import plot_report
 from .report_table import format_table
@@ -180,21 +179,42 @@ class _Compiled:
         return self.calls[rec.name]
 
 
-def _implied_matrix(be, call, q, k, v_shape, dtype):
-    """The first head's implied matrix ``(1, 1, n, s)``.  Where calls are compiled (JAX),
-    through the variant's compiled call on the identity's columns in blocks of ``v``'s
-    shape -- no program of another shape to compile; elsewhere one call on ``I_s``."""
+def _implied_matrix(be, call, hq, hk, v_shape, dtype):
+    """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``.
+
+    Where calls are compiled (JAX), through the variant's compiled call on ``v``'s shape
+    -- no program of another shape to compile: the first head's ``q, k`` in every head
+    slot, each slot carrying its own block of the identity's columns, so that one call
+    gives ``slots x dv`` columns.  The first call carries block 0 in every slot: a variant
+    whose heads are not alike (per-head decays, gates drawn per head) answers differently
+    in its slots, and then each call gives slot 0's ``dv`` columns.  Elsewhere one call
+    on ``I_s``."""
     if not _compiles(be):
-        return _host(attention_matrix(call, q[:1, :1, ...], k[:1, :1, ...]))
-    s, dv = v_shape[-2], v_shape[-1]
+        return _host(attention_matrix(call, be.asarray(hq[:1, :1], dtype),
+                                      be.asarray(hk[:1, :1], dtype)))
+    s, dv, n = v_shape[-2], v_shape[-1], hq.shape[-2]
+    slots = math.prod(v_shape[:-2])
+    q0, k0 = (be.asarray(np.broadcast_to(x[:1, :1], x.shape), dtype) for x in (hq, hk))
     eye = np.eye(s)
-    cols = []
-    for j0 in range(0, s, dv):
-        block = np.zeros((s, dv))
-        block[:, :min(dv, s - j0)] = eye[:, j0:j0 + dv]
-        out = call(q, k, be.asarray(np.broadcast_to(block, v_shape), dtype))
-        cols.append(_host(out)[:1, :1, :, :min(dv, s - j0)])
-    return np.concatenate(cols, axis=-1)
+
+    def columns(starts):
+        block = np.zeros((slots, s, dv))
+        for slot, j0 in enumerate(starts):
+            block[slot, :, :min(dv, s - j0)] = eye[:, j0:j0 + dv]
+        out = call(q0, k0, be.asarray(np.reshape(block, v_shape), dtype))
+        return np.reshape(_host(out), (slots, n, dv))
+
+    first = columns([0] * slots)
+    alike = np.allclose(first, first[:1], rtol=1e-4, atol=1e-6 * np.abs(first[0]).max())
+    cols = {0: first[0]}
+    rest = list(range(dv, s, dv))
+    step = slots if alike else 1
+    for c0 in range(0, len(rest), step):
+        starts = rest[c0:c0 + step]
+        out = columns(starts + [0] * (slots - len(starts)) if alike else starts * slots)
+        cols.update({j0: out[slot] for slot, j0 in enumerate(starts)})
+    a = np.concatenate([cols[j0][:, :min(dv, s - j0)] for j0 in sorted(cols)], axis=-1)
+    return a[None, None]
 
 
 def _identity(fn):
@@ -336,17 +356,13 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
                 else:
                     row.row_sum_dev = float(np.abs(_host(call(q, k, ones)) - 1.0).max())
                 if exact_a is not None and getattr(rec, "linear_in_v", True):
-                    a = _implied_matrix(be, call, q, k, host[2].shape, w.dtype)
+                    a = _implied_matrix(be, call, host[0], host[1], host[2].shape, w.dtype)
                     row.matrix_error = float(np.abs(a - exact_a).sum(axis=-1).max())
             except Exception as exc:  # keep going: one broken variant must not hide the rest
                 row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             rows.append(row)
             prog.step(f"{rec.name} ({case})")
     return rows
-
-
-def rows_as_dicts(rows):
-    return [asdict(r) for r in rows]
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,32 +432,3 @@ def sweep_steps(w: Workload, names=None) -> int:
             for case in CASES}
     return (sum(len(sweep_values(r, n_of[c])) for r in recs for c in CASES)
             + len(recs) * len(ns))
-
-
-def machine_info(backend: str) -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "numpy": np.__version__}
-    try:
-        import os
-        info["cpu_count"] = os.cpu_count()
-    except Exception:  # pragma: no cover
-        pass
-    if backend != "numpy":
-        try:
-            mod = __import__(backend)
-            info[backend] = getattr(mod, "__version__", "?")
-        except Exception:  # pragma: no cover
-            pass
-    return info
-
-
-def write_json(path, w: Workload, rows, sweeps=None) -> None:
-    """The raw numbers: workload, machine, one dict per row, sweeps if any."""
-    data = {"workload": asdict(w), "machine": machine_info(w.backend),
-            "rows": rows_as_dicts(rows)}
-    if sweeps is not None:
-        data["sweeps"] = sweeps
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=1, default=lambda x: None if x is None or (
-            isinstance(x, float) and math.isnan(x)) else str(x))

@@ -308,3 +308,24 @@ def test_verdicts_rank_and_conclude():
     assert "fastest that beats the mean of v: fast_ok" in line   # 'bad' is faster, not useful
     table = format_table(rows)
     assert "verdict" in table.splitlines()[0] and table.rstrip().endswith(line.rstrip())
+
+
+@pytest.mark.parametrize("name", ["softmax", "local", "retention", "gla", "lsh"])
+def test_compiled_implied_matrix_is_the_first_heads(name):
+    """On JAX the implied matrix is read through the variant's compiled call: the first
+    head's q, k in every head slot, each with its own identity columns -- or, for a
+    variant whose heads differ (retention's per-head decays, gla's gates drawn per head),
+    one block per call.  Either way it is the first head's matrix, as on NumPy."""
+    pytest.importorskip("jax")
+    from arrayattn._backends import get_array_backend
+    from arrayattn.report import _Compiled, _implied_matrix
+    rec = arrayattn.get_variant(name)
+    rng = np.random.default_rng(0)
+    hq, hk = (rng.standard_normal((1, 3, 40, 8)) for _ in range(2))
+    v_shape = (1, 3, 40, 6)          # 40 columns in blocks of 6: the last one partial
+    want = _implied_matrix(get_array_backend("numpy", "float64"), rec, hq, hk, v_shape,
+                           "float64")
+    be = get_array_backend("jax", "float32")
+    got = _implied_matrix(be, _Compiled(be)(rec), hq, hk, v_shape, "float32")
+    assert got.shape == want.shape == (1, 1, 40, 40)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()

@@ -14,8 +14,7 @@ from .._validate_sparse import check_layout
 from ..pipeline import Spec, Working, run
 from .executor import block_sparse_attention
 from .layout import BlockLayout
-from .patterns import (bigbird_layout, fixed_layout, local_layout, longformer_layout,
-                       strided_layout)
+from .patterns import local_layout
 
 __all__ = ["sparse_attention", "local_attention", "SparseCall", "checked_sparse",
            "checked_local", "checked_pattern", "dense_allowed", "SPEC", "LOCAL_SPEC",
