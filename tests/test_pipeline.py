@@ -59,28 +59,6 @@ def test_gated_checks_qkv_once(monkeypatch, name, path):
     assert len(calls) == 1, f"{name} ({path}) checked q, k, v {len(calls)} times"
 
 
-def _count_check_qkv(monkeypatch, modules, q):
-    """Wrap ``check_qkv`` as imported by ``modules``; count the calls that check ``q``
-    (a variant may check another triple, e.g. Luna's pack step ``p, k, v``)."""
-    calls = []
-    original = _validate.check_qkv
-
-    def counting(a, *args, **kwargs):
-        if a is q:
-            calls.append(a)
-        return original(a, *args, **kwargs)
-
-    for module in modules:
-        if hasattr(module, "check_qkv"):
-            monkeypatch.setattr(module, "check_qkv", counting)
-    return calls
-
-
-def _lowrank_modules():
-    from arrayattn import _validate_lowrank, linformer, luna, nystrom
-    return (_validate_lowrank, nystrom, linformer, luna)
-
-
 @pytest.mark.parametrize("name, public, options", [
     ("nystrom_iterative", arrayattn.nystrom_attention, {"num_landmarks": 4}),
     ("nystrom_svd", arrayattn.nystrom_attention, {"num_landmarks": 4, "pinv": "svd"}),
@@ -92,7 +70,7 @@ def test_lowrank_checks_qkv_once(monkeypatch, name, public, options):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 12, 8)) for _ in range(3))
     key_mask = np.arange(12) < 10
-    calls = _count_check_qkv(monkeypatch, _lowrank_modules(), q)
+    calls = _count_everywhere(monkeypatch, q)
     if public is not None:
         public(q, k, v, key_mask=key_mask, **options)
         assert len(calls) == 1, f"{public.__name__}: check_qkv ran {len(calls)} times"

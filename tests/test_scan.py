@@ -200,11 +200,10 @@ def test_grad_pinv_razavi():
 # --- the scanned block-sparse form ---------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["numpy", "jax"])
-@pytest.mark.parametrize("budget", [3, 30])
-def test_sparse_uneven_chunks_and_parts(backend, budget, monkeypatch):
-    """Budget 3: parts of 3 key blocks (the last part of a row filled with masked slots);
-    30: chunks of 4 query blocks (the last chunk filled by repeating a block).  With a
-    bias and a key mask: equal to the dense definition."""
+def _sparse_budget_case(monkeypatch, budget: int, *, seed: int):
+    """A causal BigBird layout on n = 80 whose executor budget holds ``budget`` slots of a
+    part (3: parts of 3 key blocks; 30: chunks of 4 query blocks), and its inputs
+    ``(q, k, v, bias, key_mask)`` with batch 2."""
     import arrayattn
     import arrayattn.sparse.executor as sparse_mod
 
@@ -213,10 +212,18 @@ def test_sparse_uneven_chunks_and_parts(backend, budget, monkeypatch):
     b, batch, d = 4, 2, 6
     per_slot = batch * (b * b + b * (d + d))
     monkeypatch.setattr(sparse_mod, "_CHUNK_ELEMENTS", budget * per_slot + 1)
-    rng = np.random.default_rng(10)
+    rng = np.random.default_rng(seed)
     q, k, v = _qkv(rng, n=80, d=d, dv=d, batch=(batch,))
-    bias = rng.standard_normal((batch, 80, 80))
-    km = rng.random((batch, 80)) < 0.8
+    return lay, (q, k, v, rng.standard_normal((batch, 80, 80)), rng.random((batch, 80)) < 0.8)
+
+
+@pytest.mark.parametrize("budget", [3, 30])
+def test_sparse_uneven_chunks_and_parts(backend, budget, monkeypatch):
+    """Budget 3: parts of 3 key blocks (the last part of a row filled with masked slots);
+    30: chunks of 4 query blocks (the last chunk filled by repeating a block).  With a
+    bias and a key mask: equal to the dense definition."""
+    import arrayattn
+    lay, (q, k, v, bias, km) = _sparse_budget_case(monkeypatch, budget, seed=10)
     ref = arrayattn.softmax_attention(q, k, v, mask=lay.dense_mask(), bias=bias,
                                       key_mask=km, causal=True)
     xs = (q, k, v, bias, km) if backend == "numpy" else tuple(jnp.asarray(x) for x in (
@@ -234,17 +241,7 @@ def test_grad_sparse_scanned(budget, monkeypatch):
     torch autograd through the same form run as plain loops: ``q``, ``k``, ``v`` and the
     bias, with a key mask, causal."""
     import arrayattn
-    import arrayattn.sparse.executor as sparse_mod
-
-    lay = arrayattn.bigbird_layout(80, block_size=4, num_random_blocks=2, seed=1,
-                                   causal=True)
-    b, batch, d = 4, 2, 6
-    per_slot = batch * (b * b + b * (d + d))
-    monkeypatch.setattr(sparse_mod, "_CHUNK_ELEMENTS", budget * per_slot + 1)
-    rng = np.random.default_rng(11)
-    q, k, v = _qkv(rng, n=80, d=d, dv=d, batch=(batch,))
-    bias = rng.standard_normal((batch, 80, 80))
-    km = rng.random((batch, 80)) < 0.8
+    lay, (q, k, v, bias, km) = _sparse_budget_case(monkeypatch, budget, seed=11)
 
     def form(q, k, v, bias):
         mask = (jnp.asarray(km) if isinstance(q, jax.Array) else
