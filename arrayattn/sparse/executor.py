@@ -24,8 +24,8 @@ from .._numpy.sparse import map_chunks
 from ..reference.scan import scan
 from .tiles import PER_KEY, blocked, host_indices, mask_from, mask_tables, tile_bias_at, tile_mask
 
-__all__ = ["block_sparse_attention", "plan_work", "Gathered", "gathered", "cut_chunks",
-           "spans", "in_block_order", "unblock"]
+__all__ = ["block_sparse_attention", "scanned_group", "plan_work", "Gathered", "gathered",
+           "cut_chunks", "spans", "in_block_order", "unblock"]
 
 #: Elements of the score tile plus gathered keys/values processed at once (per chunk of
 #: query blocks); bounds the working memory at a few hundred MB in float32.
