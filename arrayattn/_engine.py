@@ -2,9 +2,10 @@
 
 Every variant exists once as a **reference form** (:mod:`arrayattn.reference`: array API
 only, shaped like the paper's equation) and, where it pays, as an **engine** for one
-backend (today the NumPy-CPU engine, :mod:`arrayattn._numpy`).  A public function
-validates its inputs, asks :func:`numpy_engine` once which one to run, and casts back;
-nothing backend-specific sits inside the maths.
+backend (today the NumPy-CPU engine, :mod:`arrayattn._numpy`).  This module holds the
+rules (:func:`numpy_engine`, :func:`dense_reference`); the call pipeline applies them, in
+one place (:func:`arrayattn.pipeline.implementation`); nothing backend-specific sits
+inside the maths.
 
 The choice can be forced for a block of code (:func:`use_engine`, e.g.
 ``with arrayattn.use_engine("reference"):``) or for the whole process with the
@@ -105,7 +106,7 @@ def dense_reference(scores: int) -> bool:
 def entry(xp):
     """The context every public function computes in.
 
-    On NumPy it holds the engine's process lock (:data:`arrayattn._numpy.parallel.LOCK`):
+    On NumPy it holds the engine's process lock (:func:`arrayattn._numpy.serialised`):
     the engine changes the BLAS thread count while its threads run, so concurrent calls
     are serialised -- each already uses every core -- and a call's result never depends on
     what other threads are doing.  The lock is also what makes ``fork`` safe (the child
@@ -113,8 +114,8 @@ def entry(xp):
     for the call (:mod:`arrayattn._precision`: no silent TF32).
     """
     if array_api_compat.is_numpy_namespace(xp):
-        from ._numpy.parallel import LOCK
-        with LOCK:
+        from ._numpy import serialised
+        with serialised():
             yield
     else:
         from ._precision import full_precision

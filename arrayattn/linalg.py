@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 
 from . import reference
-from ._engine import entry, numpy_engine
+from ._engine import entry
 from ._numpy import linalg as engine
 from ._validate import check_flag
 from ._validate_lowrank import PINV_INITS, PINV_METHODS, check_svd_available, checked_pinv
 from ._xp import xp_device
+from .pipeline import engine_pays
 
 # check_svd_available, checked_pinv and the choices live in the validation module; they
 # stay importable from here.
@@ -125,11 +126,11 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
     """
     xp, wa, iters, rtol = checked_pinv(a, method=method, iters=iters, init=init, rtol=rtol)
     return_residual = check_flag("return_residual", return_residual)
-    with entry(xp):     # not a pipeline call (one matrix, no q, k, v): its own choice
+    with entry(xp):     # one matrix, no q, k, v: the pipeline's rule, on its size
         if method == "iterative":
             z = reference.pinv_razavi(wa, iters, init)
         else:
-            if numpy_engine(xp, 4 * math.prod(a.shape) * min(a.shape[-2:])):
+            if engine_pays(xp, 4 * math.prod(a.shape) * min(a.shape[-2:])):
                 z = engine.pinv_svd(wa, rtol)
             else:
                 z = reference.pinv_svd(wa, rtol)

@@ -19,11 +19,11 @@ import math
 
 from . import reference
 from ._numpy import nystrom as engine
-from ._engine import entry, numpy_engine
+from ._engine import entry
 from ._validate_lowrank import (LandmarkCall, NystromCall, checked_landmark,
                                 checked_nystrom, checked_segment_means)
 from ._xp import compute_dtype, xp_device
-from .pipeline import Spec, Working, run
+from .pipeline import Spec, Working, engine_pays, run
 
 __all__ = ["segment_lengths", "segment_means", "nystrom_attention", "landmark_attention",
            "checked_nystrom", "checked_landmark", "NYSTROM_SPEC", "LANDMARK_SPEC"]
@@ -93,8 +93,8 @@ def segment_means(x, m, /, *, key_mask=None, return_counts=False):
     xp, m, return_counts = checked_segment_means(x, m, key_mask, return_counts)
     work = compute_dtype(xp, x.dtype)
     wx = xp.astype(x, work, copy=False)
-    with entry(xp):     # not a pipeline call (one array, no q, k, v): its own choice
-        if numpy_engine(xp, 4 * math.prod(x.shape)):
+    with entry(xp):     # one array, no q, k, v: the pipeline's rule, on its size
+        if engine_pays(xp, 4 * math.prod(x.shape)):
             means, counts = engine.segment_means(wx, m, key_mask)
         else:
             means, counts = reference.masked_segment_means(wx, m, key_mask)

@@ -18,7 +18,8 @@
    ``spec.work(call, w)`` -- the bytes of the engine's largest temporary -- is large enough
    to pay (:func:`arrayattn._engine.numpy_engine`); the dense definition under
    ``use_engine("reference")`` for variants whose every call runs a gathered form
-   (``spec.dense``); else the reference form;
+   (``spec.dense``); else the reference form (:func:`implementation`, which the backward
+   adapters call too: no other module chooses);
 7. **cast back** the output (the first element when the variant returns a tuple) to the
    caller's dtype.
 
@@ -35,7 +36,7 @@ from ._engine import dense_reference, entry, numpy_engine
 from .reference.finite import drop_nonfinite, nonfinite_rows
 from .reference.masks import zero_masked_keys
 
-__all__ = ["Spec", "Working", "run", "working"]
+__all__ = ["Spec", "Working", "run", "working", "implementation", "engine_pays"]
 
 
 class Working(NamedTuple):
@@ -115,16 +116,31 @@ def working(p, q, k, v, key_mask, *, poison: bool = False) -> Working:
     return Working(xp.astype(q, wd, copy=False), wk, wv, bad)
 
 
-def _implementation(spec: Spec, call, w: Working) -> Callable:
-    xp = call.p.xp
+def implementation(spec: Spec, call, w) -> Callable:
+    """Step 6, the one place an implementation is chosen: ``spec.dense`` where the
+    reference is forced and the dense form is small
+    (:func:`~arrayattn._engine.dense_reference` on ``spec.scores(call)``),
+    ``spec.engine`` where the inputs are NumPy and
+    ``spec.work(call, w)`` pays (:func:`~arrayattn._engine.numpy_engine`), else
+    ``spec.reference``.  The forward passes (:func:`run`) and the backward adapters
+    (:mod:`arrayattn.backward`, whose specs' functions also take the cotangent) call it."""
     if spec.dense is not None and dense_reference(spec.scores(call)):
         return spec.dense
     # the work estimate only where the engine could run: it may read NumPy values
-    if spec.engine is not None and numpy_engine(xp, None):
+    if spec.engine is not None and engine_pays(call.p.xp, None):
         work = spec.work(call, w)
-        if work is not None and numpy_engine(xp, work):
+        if work is not None and engine_pays(call.p.xp, work):
             return spec.engine
     return spec.reference
+
+
+def engine_pays(xp, work: int | None) -> bool:
+    """Whether the NumPy engine runs a computation of ``work`` bytes (its largest
+    temporary; ``None``: whether it may run at all) in namespace ``xp``: the rule of
+    :func:`~arrayattn._engine.numpy_engine`, for the few functions that are not
+    attention calls (one array: :func:`~arrayattn.segment_means`,
+    :func:`~arrayattn.pinv`)."""
+    return numpy_engine(xp, work)
 
 
 def run(spec: Spec, q, k, v, /, **options):
@@ -139,7 +155,7 @@ def run(spec: Spec, q, k, v, /, **options):
     poison = spec.poison is not None and spec.poison(call)
     w = working(p, q, k, v, call.key_mask, poison=poison)
     with entry(p.xp):
-        out = _implementation(spec, call, w)(call, w)
+        out = implementation(spec, call, w)(call, w)
     if isinstance(out, tuple):
         return (p.xp.astype(out[0], p.dtype, copy=False), *out[1:])
     return p.xp.astype(out, p.dtype, copy=False)

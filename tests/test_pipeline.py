@@ -178,3 +178,27 @@ def test_kernel_public_functions_check_qkv_once(monkeypatch, name, engine):
     with arrayattn.use_engine(engine):
         _KERNEL_CALLS[name](q, k, v)
     assert len(calls) == 1
+
+
+def test_only_the_pipeline_chooses_an_implementation():
+    """Issue #27 point 1: ``numpy_engine(`` and ``dense_reference(`` are called only in
+    :mod:`arrayattn.pipeline` (and defined in :mod:`arrayattn._engine`); the engine's
+    ``LOCK`` is named only inside :mod:`arrayattn._numpy`."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(arrayattn.__file__).parent
+    calls = re.compile(r"\b(numpy_engine|dense_reference)\(")
+    lock = re.compile(r"\bLOCK\b")
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for name in calls.findall(code):
+                defined = rel == "_engine.py" and code.lstrip().startswith(f"def {name}(")
+                if rel != "pipeline.py" and not defined:
+                    wrong.append(f"{rel}:{number}: calls {name}: {line.strip()}")
+            if lock.search(code) and not rel.startswith("_numpy/"):
+                wrong.append(f"{rel}:{number}: names LOCK: {line.strip()}")
+    assert not wrong, "\n".join(wrong)

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["LOCK", "num_threads", "split_everything", "split_rows", "parallel_map",
+__all__ = ["LOCK", "serialised", "num_threads", "split_everything", "split_rows", "parallel_map",
            "map_rows", "scratch", "blas_single", "reduce_rows", "cumsum_"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
@@ -58,6 +58,15 @@ _pool: tuple | None = None   # (executor, workers, pid)
 _blas: tuple | None = None   # (set, get) of the BLAS thread count, or () when not found
 _split: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "arrayattn_split", default=None)   # (threads, min_work, block_bytes) while forced
+
+
+@contextlib.contextmanager
+def serialised():
+    """Hold :data:`LOCK` for the ``with`` block: what every public call on NumPy computes
+    in (:func:`arrayattn._engine.entry`), so the engine's BLAS thread count and pool are
+    never changed under another call."""
+    with LOCK:          # the module's LOCK at entry (a forked child has a fresh one)
+        yield
 
 
 def _before_fork():

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import reference
-from .._engine import entry, numpy_engine
+from .._engine import entry
 from .._numpy import exact_vjp as engine
 from ..exact import checked_call, working_qkv
+from ..pipeline import Spec, Working, implementation
 from ..reference.exact_vjp import sum_to_shape
 
-__all__ = ["softmax_attention_vjp"]
+__all__ = ["softmax_attention_vjp", "VJP_SPEC"]
 
 
 def softmax_attention_vjp(q, k, v, do, /, *, return_lse=False, **options):
@@ -28,18 +29,41 @@ def softmax_attention_vjp(q, k, v, do, /, *, return_lse=False, **options):
     if p.s == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
-    wq, wk, wv, bad = working_qkv(p, q, k, v, lg.key_mask)
-    lg = replace(lg, poison=bad)
+    w = Working(*working_qkv(p, q, k, v, lg.key_mask))
+    call = replace(call, logits=replace(lg, poison=w.bad))
     wdo = xp.astype(do, p.work_dtype, copy=False)
     with entry(xp):
-        if (lg.plain and lg.bias is None and call.dropout is None
-                and numpy_engine(xp, p.n * p.s * 4) and not xp.any(bad)):
-            grads = engine.vjp(wq, wk, wv, wdo, scale=lg.scale, causal=lg.right == 0,
-                               key_mask=lg.key_mask, mask=lg.mask)
-        elif call.block_size is not None:
-            grads = reference.attention_blockwise_vjp(wq, wk, wv, wdo, lg,
-                                                      block_size=call.block_size,
-                                                      dropout=call.dropout)
-        else:
-            grads = reference.attention_vjp(wq, wk, wv, wdo, lg, dropout=call.dropout)
+        grads = implementation(VJP_SPEC, call, w)(call, w, wdo)
     return {name: sum_to_shape(grads[name], x.shape) for name, x in args.items()}
+
+
+def _reference(call, w: Working, do) -> dict:
+    if call.block_size is not None:
+        return reference.attention_blockwise_vjp(w.q, w.k, w.v, do, call.logits,
+                                                 block_size=call.block_size,
+                                                 dropout=call.dropout)
+    return reference.attention_vjp(w.q, w.k, w.v, do, call.logits, dropout=call.dropout)
+
+
+def _engine(call, w: Working, do) -> dict:
+    lg = call.logits
+    return engine.vjp(w.q, w.k, w.v, do, scale=lg.scale, causal=lg.right == 0,
+                      key_mask=lg.key_mask, mask=lg.mask)
+
+
+def _work(call, w: Working):
+    """The engine's scores ``n s`` in float32 bytes, or ``None`` where it does not take
+    the call: options beyond scale/causal/masks, or a key taken out for holding a
+    non-finite value."""
+    lg, p = call.logits, call.p
+    if not lg.plain or lg.bias is not None or call.dropout is not None:
+        return None
+    if p.xp.any(w.bad):      # NumPy only (the engine runs on NumPy): no device sync
+        return None
+    return p.n * p.s * 4
+
+
+#: The backward of :func:`~arrayattn.softmax_attention`, as the pipeline chooses it
+#: (:func:`arrayattn.pipeline.implementation`); each form takes the cotangent ``do``.
+VJP_SPEC = Spec(name="softmax_attention_vjp", check=checked_call, reference=_reference,
+                engine=_engine, work=_work)

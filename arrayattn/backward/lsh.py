@@ -5,12 +5,13 @@ no ``"k"``).  The equations are in :mod:`arrayattn.reference.lsh_vjp`."""
 from __future__ import annotations
 
 from .. import reference
-from .._engine import dense_reference, entry
+from .._engine import entry
 from .._validate import check_array, check_same_array_kind
 from ..lsh import checked_lsh, lsh_scores
+from ..pipeline import Spec, Working, implementation
 from ..reference.exact_vjp import sum_to_shape
 
-__all__ = ["lsh_attention_vjp", "lsh_uniform_vjp"]
+__all__ = ["lsh_attention_vjp", "lsh_uniform_vjp", "VJP_SPEC"]
 
 
 def lsh_attention_vjp(qk, v, do, /, *, num_hashes=4, num_buckets=None, chunk_size=64, seed=0,
@@ -64,12 +65,11 @@ def lsh_attention_vjp(qk, v, do, /, *, num_hashes=4, num_buckets=None, chunk_siz
     if p.n == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
-    form = (reference.lsh_attention_vjp if dense_reference(lsh_scores(call))
-            else reference.lsh_attention_chunked_vjp)
     wd = p.work_dtype
+    wqk = xp.astype(qk, wd, copy=False)        # padded tokens too: they hash
+    w = Working(wqk, wqk, xp.astype(v, wd, copy=False))
     with entry(xp):
-        grads = form(xp.astype(qk, wd, copy=False), xp.astype(v, wd, copy=False),
-                     xp.astype(do, wd, copy=False), call.rot, **call.options)
+        grads = implementation(VJP_SPEC, call, w)(call, w, xp.astype(do, wd, copy=False))
     return {name: xp.astype(sum_to_shape(grads[name], x.shape), x.dtype, copy=False)
             for name, x in args.items()}
 
@@ -79,3 +79,18 @@ def lsh_uniform_vjp(q, k, v, do, /, **options):
     cotangent): ``{"q", "v"}``."""
     grads = lsh_attention_vjp(q, v, do, **options)
     return {"q": grads["qk"], "v": grads["v"]}
+
+
+def _dense_vjp(call, w: Working, do) -> dict:
+    return reference.lsh_attention_vjp(w.q, w.v, do, call.rot, **call.options)
+
+
+def _chunked_vjp(call, w: Working, do) -> dict:
+    return reference.lsh_attention_chunked_vjp(w.q, w.v, do, call.rot, **call.options)
+
+
+#: The backward of :func:`~arrayattn.lsh_attention`, as the pipeline chooses it
+#: (:func:`arrayattn.pipeline.implementation`): the dense backward where the forward runs
+#: its dense definition, else the chunked one; each form takes the cotangent ``do``.
+VJP_SPEC = Spec(name="lsh_attention_vjp", check=checked_lsh, reference=_chunked_vjp,
+                dense=_dense_vjp, scores=lsh_scores)

@@ -7,19 +7,20 @@ through the gather adjoint :func:`arrayattn.reference.pool_windows_vjp` (``O(s Î
 """
 from __future__ import annotations
 
-import math
+from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
 from .. import reference
-from .._engine import dense_reference, entry
+from .._engine import entry
 from ..sparse.tiles import host_indices
-from ..pipeline import working
-from ..pooling import checked_pooling, dense_masks, level2, pool_keys
+from ..pipeline import implementation, working
+from ..pooling import SPEC, checked_pooling, dense_masks, level2, pool_keys
 from ..reference.exact_vjp import sum_to_shape
 from .sparse import block_sparse_vjp
 
-__all__ = ["pooling_attention_vjp", "pool_windows"]
+__all__ = ["pooling_attention_vjp", "pool_windows", "VJP_SPEC"]
 
 
 def pool_windows(start, end, s: int):
@@ -71,26 +72,42 @@ def pooling_attention_vjp(q, k, v, do, /, *, window=128, pool_window=512, pool_s
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=dev)
                 for name, x in args.items() if x is not None}
     w = working(p, q, k, v, km)
-    wq2, wk2, wv2 = level2(c, w)
     wdo = xp.astype(do, p.work_dtype, copy=False)
     with entry(xp):
-        if dense_reference(math.prod(p.batch) * p.n * p.s):
-            grads = reference.pooling_attention_vjp(
-                w.q, w.k, w.v, wq2, wk2, wv2, *dense_masks(c), wdo, scale=c.scale,
-                scale2=c.scale2, key_mask=km, pool=c.pool)
-        else:
-            g1 = block_sparse_vjp(p, w.q * c.scale, w.k, w.v, wdo, c.lay1, causal=c.causal,
-                                  key_mask=km)
-            kbar, valid = pool_keys(xp, wk2, c.start, c.end, c.pool, km, device=dev)
-            vbar, _ = pool_keys(xp, wv2, c.start, c.end, c.pool, km, device=dev)
-            g2 = block_sparse_vjp(c.pm, wq2 * c.scale2, kbar, vbar, wdo, c.lay2,
-                                  causal=c.causal, key_mask=valid)
-            windows = pool_windows(c.start, c.end, p.s)
-            grads = {"q": g1["q"] * c.scale, "k": g1["k"], "v": g1["v"],
-                     "q2": g2["q"] * c.scale2,
-                     "k2": _unpool(xp, wk2, g2["k"], windows, km, c.pool, dev),
-                     "v2": _unpool(xp, wv2, g2["v"], windows, km, c.pool, dev)}
+        grads = implementation(VJP_SPEC, c, w)(c, w, wdo)
     for name in ("q", "k", "v"):
         if args[name + "2"] is None:          # level 2 ran on q, k, v themselves
             grads[name] = grads[name] + grads.pop(name + "2")
     return {name: sum_to_shape(g, args[name].shape) for name, g in grads.items()}
+
+
+def _dense_vjp(c, w, do) -> dict:
+    return reference.pooling_attention_vjp(
+        w.q, w.k, w.v, *level2(c, w), *dense_masks(c), do, scale=c.scale, scale2=c.scale2,
+        key_mask=c.key_mask, pool=c.pool)
+
+
+def _levels_vjp(c, w, do, *, threads: bool) -> dict:
+    """Both levels' gathered backwards (``threads``: their chunks on the NumPy engine's
+    threads), the pooled keys' and values' cotangents taken back to the positions."""
+    p, xp, dev, km = c.p, c.p.xp, c.p.device, c.key_mask
+    wq2, wk2, wv2 = level2(c, w)
+    g1 = block_sparse_vjp(p, w.q * c.scale, w.k, w.v, do, c.lay1, causal=c.causal,
+                          key_mask=km, threads=threads)
+    kbar, valid = pool_keys(xp, wk2, c.start, c.end, c.pool, km, device=dev)
+    vbar, _ = pool_keys(xp, wv2, c.start, c.end, c.pool, km, device=dev)
+    g2 = block_sparse_vjp(c.pm, wq2 * c.scale2, kbar, vbar, do, c.lay2, causal=c.causal,
+                          key_mask=valid, threads=threads)
+    windows = pool_windows(c.start, c.end, p.s)
+    return {"q": g1["q"] * c.scale, "k": g1["k"], "v": g1["v"], "q2": g2["q"] * c.scale2,
+            "k2": _unpool(xp, wk2, g2["k"], windows, km, c.pool, dev),
+            "v2": _unpool(xp, wv2, g2["v"], windows, km, c.pool, dev)}
+
+
+#: The backward of :func:`~arrayattn.pooling_attention`, as the pipeline chooses it
+#: (:func:`arrayattn.pipeline.implementation`): the forward's spec -- its work estimate
+#: (the larger level's scores) and score count -- with the backward's forms, which take
+#: the cotangent ``do`` too.
+VJP_SPEC = replace(SPEC, name="pooling_attention_vjp",
+                   reference=partial(_levels_vjp, threads=False),
+                   engine=partial(_levels_vjp, threads=True), dense=_dense_vjp)

@@ -23,23 +23,24 @@ cotangent, ``(..., n, s)`` like the bias, excepted).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
 
 from .. import reference
-from .._engine import dense_reference, entry
+from .._engine import entry
 from .._xp import xp_from_host
-from ..pipeline import working
+from ..pipeline import implementation, working
 from ..reference.exact_vjp import sum_to_shape
 from ..sparse import bigbird_layout, fixed_layout, longformer_layout, strided_layout
-from ..sparse.api import checked_local, checked_pattern, checked_sparse, dense_allowed
+from ..sparse.api import SPEC, checked_local, checked_pattern, checked_sparse, dense_allowed
 from ..sparse.executor import cut_chunks, gathered, in_block_order, spans, unblock
 from ..sparse.layout import group_rows
 from ..sparse.tiles import blocked, host_indices, tile_bias, tile_mask
 
 __all__ = ["sparse_attention_vjp", "local_attention_vjp", "pattern_vjp", "block_sparse_vjp",
-           "key_plan", "checked_vjp", "PATTERN_VJPS"]
+           "key_plan", "checked_vjp", "PATTERN_VJPS", "VJP_SPEC"]
 
 # Elements of the tiles and gathered rows processed at once per chunk: the backward holds
 # about four score-sized temporaries (S, P, dP, dS) where the forward holds two.
@@ -133,10 +134,13 @@ def _key_chunk(g, dob, lse_b, delta_b, chunk):
     return dk, dv
 
 
-def block_sparse_vjp(p, q, k, v, do, layout, *, causal: bool, key_mask, bias=None) -> dict:
+def block_sparse_vjp(p, q, k, v, do, layout, *, causal: bool, key_mask, bias=None,
+                     threads: bool = False) -> dict:
     """``{"q", "k", "v"[, "bias"]}`` of :func:`arrayattn.sparse.block_sparse_attention`
     (``q`` pre-scaled: ``"q"`` is the cotangent of the scaled queries), by the two passes
-    of this module's docstring.  All in the working dtype; shapes at the broadcast batch."""
+    of this module's docstring.  All in the working dtype; shapes at the broadcast batch.
+    ``threads``: the chunks on the NumPy engine's threads (the caller's choice, NumPy
+    inputs only), else in order."""
     xp, dev, b = p.xp, p.device, layout.block_size
     g = gathered(p, q, k, v, layout, causal=causal, key_mask=key_mask, bias=bias)
     dob = blocked(xp, do, layout.blocks.shape[0], b, device=dev)
@@ -148,10 +152,11 @@ def block_sparse_vjp(p, q, k, v, do, layout, *, causal: bool, key_mask, bias=Non
         return in_block_order(xp, [x[i] for x in parts], chunks, axis, dev)
 
     qchunks = cut_chunks(layout.plan, per_slot, per_row, CHUNK_ELEMENTS)
-    qparts = g.run(partial(_query_chunk, g, dob), qchunks)
+    qparts = g.run(partial(_query_chunk, g, dob), qchunks, threads=threads)
     lse_b, delta_b = in_order(qparts, qchunks, 1, -2), in_order(qparts, qchunks, 2, -2)
     kchunks = cut_chunks(key_plan(layout), per_slot, per_row, CHUNK_ELEMENTS)
-    kparts = g.run(partial(_key_chunk, g, dob, lse_b, delta_b), kchunks)
+    kparts = g.run(partial(_key_chunk, g, dob, lse_b, delta_b), kchunks,
+                   threads=threads)
     grads = {"q": unblock(xp, in_order(qparts, qchunks, 0, -3), p.n),
              "k": unblock(xp, in_order(kparts, kchunks, 0, -3), p.s),
              "v": unblock(xp, in_order(kparts, kchunks, 1, -3), p.s)}
@@ -178,15 +183,31 @@ def checked_vjp(call, q, k, v, do, bias) -> dict:
     w = working(p, q, k, v, call.key_mask)
     wdo = xp.astype(do, p.work_dtype, copy=False)
     with entry(xp):
-        if dense_reference(math.prod(p.batch) * p.n * p.s):
-            grads = reference.sparse_attention_vjp(w.q, w.k, w.v, wdo, dense_allowed(call),
-                                                   scale=call.scale, bias=call.bias)
-        else:
-            grads = block_sparse_vjp(p, w.q * call.scale, w.k, w.v, wdo, call.layout,
-                                     causal=call.causal, key_mask=call.key_mask,
-                                     bias=call.bias)
-            grads["q"] = grads["q"] * call.scale
+        grads = implementation(VJP_SPEC, call, w)(call, w, wdo)
     return _shaped(grads, {"q": q, "k": k, "v": v, "bias": bias})
+
+
+def _dense_vjp(call, w, do) -> dict:
+    return reference.sparse_attention_vjp(w.q, w.k, w.v, do, dense_allowed(call),
+                                          scale=call.scale, bias=call.bias)
+
+
+def _gathered_vjp(call, w, do, *, threads: bool) -> dict:
+    grads = block_sparse_vjp(call.p, w.q * call.scale, w.k, w.v, do, call.layout,
+                             causal=call.causal, key_mask=call.key_mask, bias=call.bias,
+                             threads=threads)
+    grads["q"] = grads["q"] * call.scale
+    return grads
+
+
+#: The backward of the sparse family, as the pipeline chooses it
+#: (:func:`arrayattn.pipeline.implementation`): the forward's spec -- its work and score
+#: estimates -- with the backward's forms, which take the cotangent ``do`` too: the
+#: dense backward where the forward runs its dense definition, the gathered backward's
+#: chunks on the NumPy engine's threads where they pay, else in order.
+VJP_SPEC = replace(SPEC, name="sparse_attention_vjp",
+                   reference=partial(_gathered_vjp, threads=False),
+                   engine=partial(_gathered_vjp, threads=True), dense=_dense_vjp)
 
 
 def sparse_attention_vjp(q, k, v, do, /, *, layout, scale=None, causal=False, key_mask=None,

@@ -12,7 +12,7 @@ from .._validate import (Problem, check_bias, check_flag, check_key_mask, check_
                          check_scale)
 from .._validate_sparse import check_layout
 from ..pipeline import Spec, Working, run
-from .executor import block_sparse_attention
+from .executor import block_sparse_attention, plan_work
 from .layout import BlockLayout
 from .patterns import local_layout
 
@@ -205,9 +205,7 @@ def _gathered(call: SparseCall, w: Working, *, threads: bool):
 
 def _work(call: SparseCall, w: Working) -> int:
     """The bytes of the scores the gather plan computes (the executor's estimate)."""
-    p = call.p
-    return (call.layout.count_computed() * math.prod(p.batch)
-            * (p.xp.finfo(p.work_dtype).bits // 8))
+    return plan_work(call.p, call.layout)
 
 
 def _scores(call: SparseCall) -> int:

@@ -20,13 +20,12 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from .._engine import numpy_engine
 from .._numpy.sparse import map_chunks
 from ..reference.scan import scan
 from .tiles import PER_KEY, blocked, host_indices, mask_from, mask_tables, tile_bias_at, tile_mask
 
-__all__ = ["block_sparse_attention", "plan_work", "use_threads", "Gathered", "gathered", "cut_chunks",
-           "spans", "in_block_order", "unblock"]
+__all__ = ["block_sparse_attention", "scanned_group", "plan_work", "Gathered", "gathered",
+           "cut_chunks", "spans", "in_block_order", "unblock"]
 
 #: Elements of the score tile plus gathered keys/values processed at once (per chunk of
 #: query blocks); bounds the working memory at a few hundred MB in float32.
@@ -38,8 +37,7 @@ class Gathered:
     """One call's inputs cut into its layout's blocks (zero rows pad the last block):
     what every chunk of the plan reads.  ``q (..., nqb, b, d)``, ``k``, ``v``
     ``(..., nkb, b, c)``, ``key_mask (..., nkb, b, 1)`` (or ``None``), ``bias`` as
-    given ``(..., n, s)``; ``work`` the bytes of the scores the plan computes (what
-    :func:`~arrayattn._engine.numpy_engine` weighs)."""
+    given ``(..., n, s)``."""
 
     xp: Any
     device: Any
@@ -50,7 +48,6 @@ class Gathered:
     v: Any
     key_mask: Any
     bias: Any
-    work: int
 
     def take(self, x, blocks):
         """The host block indices ``blocks (G,)`` of a blocked ``x (..., K, b, c)``."""
@@ -96,10 +93,11 @@ class Gathered:
             out, lse = (o, l) if out is None else reference.merge_attention(out, lse, o, l)
         return out, lse
 
-    def run(self, fn, chunks) -> list:
-        """``[fn(chunk) for chunk in chunks]``: on the NumPy engine's threads when it is
-        chosen for this call, in order otherwise."""
-        if numpy_engine(self.xp, self.work):
+    def run(self, fn, chunks, *, threads: bool) -> list:
+        """``[fn(chunk) for chunk in chunks]``: on the NumPy engine's threads with
+        ``threads`` (the caller's choice, made by :func:`arrayattn.pipeline.implementation`;
+        NumPy inputs only), in order otherwise."""
+        if threads:
             return map_chunks(fn, chunks)
         return [fn(chunk) for chunk in chunks]
 
@@ -112,23 +110,15 @@ def gathered(p, q, k, v, layout, *, causal: bool, key_mask, bias=None) -> Gather
     km = None if key_mask is None else blocked(xp, key_mask[..., None], nkb, b, device=dev)
     return Gathered(xp=xp, device=dev, layout=layout, causal=causal or layout.causal,
                     q=blocked(xp, q, nqb, b, device=dev), k=blocked(xp, k, nkb, b, device=dev),
-                    v=blocked(xp, v, nkb, b, device=dev), key_mask=km, bias=bias,
-                    work=plan_work(p, layout))
+                    v=blocked(xp, v, nkb, b, device=dev), key_mask=km, bias=bias)
 
 
 def plan_work(p, layout) -> int:
     """Bytes of the scores the gather plan of ``layout`` computes for a call checked as
-    ``p`` (in its working dtype): what :func:`~arrayattn._engine.numpy_engine` weighs
-    to choose the threaded chunks."""
+    ``p`` (in its working dtype): the work estimate of the sparse specs, which the
+    pipeline weighs to choose the threaded chunks (``threads``)."""
     return (layout.count_computed() * math.prod(p.batch)
             * (p.xp.finfo(p.work_dtype).bits // 8))
-
-
-def use_threads(p, layout) -> bool:
-    """Whether a call checked as ``p`` pays for the NumPy engine's threaded chunks
-    (:func:`~arrayattn._engine.numpy_engine` on :func:`plan_work`): the ``threads`` a
-    caller of :func:`block_sparse_attention` passes."""
-    return numpy_engine(p.xp, plan_work(p, layout))
 
 
 def cut_chunks(plan, per_slot: int, per_row: int, budget: int) -> list:
