@@ -144,3 +144,27 @@ def test_every_catalogue_function_runs_one_pipeline():
         call = body[0].value
         assert isinstance(call, ast.Call) and getattr(call.func, "id", None) == "run", (
             f"{fn.__name__} does not return run(SPEC, ...)")
+
+
+def _spec_of(fn):
+    """The :class:`~arrayattn.pipeline.Spec` a public function runs (``return run(S, ...)``)."""
+    import inspect
+    import textwrap
+    fn = inspect.unwrap(fn)
+    ret = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body[-1]
+    return eval(compile(ast.Expression(ret.value.args[0]), "<spec>", "eval"), fn.__globals__)
+
+
+def test_every_spec_says_what_none_means():
+    """Options declared as data: for every catalogue function, its Spec names exactly the
+    options whose default is ``None`` and says what ``None`` means for each."""
+    import inspect
+    from arrayattn.catalogue import VARIANTS
+    from arrayattn.pipeline import Spec
+    for fn in {rec.fn for rec in VARIANTS}:
+        spec = _spec_of(fn)
+        assert isinstance(spec, Spec), fn.__name__
+        nones = {name for name, par in inspect.signature(fn).parameters.items()
+                 if par.default is None}
+        assert set(spec.none_means) == nones, (fn.__name__, set(spec.none_means) ^ nones)
+        assert all(isinstance(m, str) and m for m in spec.none_means.values())
