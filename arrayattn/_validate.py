@@ -17,7 +17,7 @@ from ._xp import compute_dtype, xp_device, xp_namespace
 __all__ = ["Problem", "check_array", "check_qkv", "check_key_mask", "check_mask",
            "check_positive_int", "check_scale", "check_choice", "check_no_causal",
            "check_same_array_kind", "check_flag", "check_seed", "broadcast_batch", "check_bias",
-           "check_band", "check_bool_mask", "shape_of"]
+           "check_band", "check_bool_mask", "shape_of", "check_tokens"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,12 @@ def check_array(name: str, x, *, min_ndim: int = 0):
         raise ValueError(
             f"{name} must have at least {min_ndim} dimensions; got shape {shape_of(x)}")
     return x
+
+
+def check_tokens(names, *arrays) -> None:
+    """One token each (the decoding step API): arrays of at least one axis (features)."""
+    for name, x in zip(names, arrays):
+        check_array(name, x, min_ndim=1)
 
 
 def check_qkv(q, k, v, *, names=("q", "k", "v"), same_dim=True) -> Problem:

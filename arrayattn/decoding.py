@@ -8,7 +8,7 @@ from ._engine import entry
 from ._gated_run import run_gated
 from ._linear_run import run_features
 from ._linear_state import LinearAttentionState
-from ._validate import check_array, check_flag, check_positive_int, check_qkv
+from ._validate import check_array, check_tokens, check_flag, check_positive_int, check_qkv
 from ._validate_gated import check_gate
 from ._validate_linear import checked_maps
 from ._xp import compute_dtype
@@ -16,12 +16,6 @@ from .feature_maps import FEATURE_MAPS, FeatureMap, get_feature_map
 
 __all__ = ["LinearAttentionState", "linear_attention_state", "linear_attention_step",
            "feature_attention_step", "gated_attention_step"]
-
-
-def _check_tokens(names, *arrays):
-    """One token each: arrays of at least one axis (the features)."""
-    for name, x in zip(names, arrays):
-        check_array(name, x, min_ndim=1)
 
 
 def linear_attention_state(xp, batch_shape, d, dv, /, *, feature_map="elu+1", dtype=None,
@@ -111,7 +105,7 @@ def feature_attention_step(phi_q_t, phi_k_t, v_t, state, /, *, eps=None):
     >>> bool(np.allclose(np.stack(outs), feature_attention(fq, fk, v, causal=True)))
     True
     """
-    _check_tokens(("phi_q_t", "phi_k_t", "v_t"), phi_q_t, phi_k_t, v_t)
+    check_tokens(("phi_q_t", "phi_k_t", "v_t"), phi_q_t, phi_k_t, v_t)
     out, new = run_features(phi_q_t[..., None, :], phi_k_t[..., None, :], v_t[..., None, :],
                             causal=True, key_mask=None, eps=eps, method="recurrent",
                             chunk_size=64, return_state=True, state=state)
@@ -157,7 +151,7 @@ def linear_attention_step(q_t, k_t, v_t, state, /, *, eps=None):
         raise TypeError("state must be a LinearAttentionState made by "
                         "linear_attention_state or linear_attention(return_state=True)")
     fm = state.feature_map
-    _check_tokens(("q_t", "k_t", "v_t"), q_t, k_t, v_t)
+    check_tokens(("q_t", "k_t", "v_t"), q_t, k_t, v_t)
     p = check_qkv(q_t[..., None, :], k_t[..., None, :], v_t[..., None, :],
                   names=("q_t", "k_t", "v_t"))
     xp = p.xp
@@ -204,7 +198,7 @@ def gated_attention_step(q_t, k_t, v_t, state, /, *, g_t=None, beta_t=None, scal
     >>> bool(np.allclose(o, full[:, 5]))
     True
     """
-    _check_tokens(("q_t", "k_t", "v_t"), q_t, k_t, v_t)
+    check_tokens(("q_t", "k_t", "v_t"), q_t, k_t, v_t)
     q, k, v = (x[..., None, :] for x in (q_t, k_t, v_t))
     p = check_qkv(q, k, v)
     if g_t is None:
