@@ -1,5 +1,6 @@
-"""Validation of exact attention's kernel options (windows, softcap, ALiBi, dropout
-keep-masks, packed sequences, FlexAttention hooks).
+"""Validation of exact attention: the checked call record (:func:`checked_call`) and the
+kernel options (windows, softcap, ALiBi, dropout keep-masks, packed sequences,
+FlexAttention hooks).
 
 Every error names the argument and what is wrong with it, as in :mod:`._validate`.
 """
@@ -7,17 +8,21 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import array_api_compat
 import numpy as np
 
-from ._validate import (Problem, broadcast_batch, check_array, check_bool_mask, shape_of,
-                        check_same_array_kind)
+from ._validate import (Problem, broadcast_batch, check_array, check_bias, check_bool_mask,
+                        check_flag, check_key_mask, check_mask, check_positive_int, check_qkv,
+                        check_same_array_kind, check_scale, shape_of)
 from ._xp import to_numpy
-from .reference.logits import segment_ids
+from ._devices import default_block_size
+from .reference.logits import Logits, segment_ids
 
 __all__ = ["check_window", "check_softcap", "check_alibi_slopes", "check_query_mask",
-           "check_dropout", "check_cu_seqlens", "check_varlen", "check_callable"]
+           "check_dropout", "check_cu_seqlens", "check_varlen", "check_callable", "Call",
+           "checked_call"]
 
 
 def check_window(window, causal: bool):
@@ -155,3 +160,54 @@ def check_callable(name: str, fn):
     if fn is not None and not callable(fn):
         raise TypeError(f"{name} must be a callable; got {type(fn).__name__}")
     return fn
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated :func:`softmax_attention` call: the problem, the logits pipeline, the
+    dropout keep-mask, the block size (``None``: dense) and whether ``lse`` is returned."""
+
+    p: Problem
+    logits: Logits
+    dropout: tuple | None
+    block_size: int | None
+    return_lse: bool
+
+    @property
+    def key_mask(self):
+        return self.logits.key_mask
+
+
+def checked_call(q, k, v, *, scale=None, causal=False, key_mask=None, mask=None, bias=None,
+                 block_size=None, window=None, softcap=None, alibi_slopes=None,
+                 query_mask=None, return_lse=False, dropout_mask=None, dropout_p=0.0,
+                 cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None, mask_mod=None,
+                 shift=None) -> Call:
+    """Validate a :func:`softmax_attention` call once (``shift``: a per-row alignment
+    array ``(..., n)`` of a caller such as :func:`~arrayattn.paged_attention`)."""
+    p = check_qkv(q, k, v)
+    left, right = check_window(window, check_flag("causal", causal))
+    check_key_mask(p, key_mask, q)
+    check_mask(p, mask, q)
+    bias = check_bias(p, bias, q)
+    if isinstance(block_size, str) and block_size == "auto":
+        block_size = default_block_size(q)
+    block_size = check_positive_int("block_size", block_size, allow_none=True)
+    if block_size is not None and block_size >= p.n and block_size >= p.s:
+        block_size = None
+    segments, seg_shift = check_varlen(p, cu_seqlens_q, cu_seqlens_k, q)
+    heads = ()
+    if q.ndim >= 3:
+        grouped = q.ndim >= 5 and k.shape[-3] == 1 and q.shape[-3] > 1
+        heads = (q.shape[-4], q.shape[-3]) if grouped else (q.shape[-3],)
+    if seg_shift is not None:
+        shift = seg_shift
+    lg = Logits(scale=check_scale(scale, p.d), shift=p.s - p.n if shift is None else shift,
+                left=left, right=right, softcap=check_softcap(softcap),
+                score_mod=check_callable("score_mod", score_mod), bias=bias,
+                alibi_slopes=check_alibi_slopes(p, alibi_slopes, q), key_mask=key_mask,
+                query_mask=check_query_mask(p, query_mask, q), mask=mask,
+                mask_mod=check_callable("mask_mod", mask_mod), segments=segments,
+                heads=heads)
+    return Call(p, lg, check_dropout(p, dropout_mask, dropout_p, q), block_size,
+                check_flag("return_lse", return_lse))

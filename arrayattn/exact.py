@@ -12,17 +12,14 @@ softmax of Milakov & Gimelshein 2018.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from . import reference
-from ._devices import default_block_size
 from ._heads import grouped_query_heads
 from ._numpy import exact as engine
-from ._validate import (Problem, check_bias, check_flag, check_key_mask, check_mask,
-                        check_positive_int, check_qkv, check_scale)
-from ._validate_options import (check_alibi_slopes, check_callable, check_dropout,
-                                check_query_mask, check_softcap, check_varlen, check_window)
-from .reference.logits import Logits
+from ._validate import Problem
+# the call record and its checks (kept importable from here: the backward and paged use them)
+from ._validate_options import Call, checked_call
 from .pipeline import Spec, Working, run, working
 
 __all__ = ["softmax_attention", "Call", "checked_call", "SPEC", "working_qkv"]
@@ -147,57 +144,6 @@ def softmax_attention(q, k, v, /, *, scale=None, causal=False, key_mask=None, ma
                alibi_slopes=alibi_slopes, query_mask=query_mask, return_lse=return_lse,
                dropout_mask=dropout_mask, dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
                cu_seqlens_k=cu_seqlens_k, score_mod=score_mod, mask_mod=mask_mod)
-
-
-@dataclass(frozen=True)
-class Call:
-    """A validated :func:`softmax_attention` call: the problem, the logits pipeline, the
-    dropout keep-mask, the block size (``None``: dense) and whether ``lse`` is returned."""
-
-    p: Problem
-    logits: Logits
-    dropout: tuple | None
-    block_size: int | None
-    return_lse: bool
-
-    @property
-    def key_mask(self):
-        return self.logits.key_mask
-
-
-def checked_call(q, k, v, *, scale=None, causal=False, key_mask=None, mask=None, bias=None,
-                 block_size=None, window=None, softcap=None, alibi_slopes=None,
-                 query_mask=None, return_lse=False, dropout_mask=None, dropout_p=0.0,
-                 cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None, mask_mod=None,
-                 shift=None) -> Call:
-    """Validate a :func:`softmax_attention` call once (``shift``: a per-row alignment
-    array ``(..., n)`` of a caller such as :func:`~arrayattn.paged_attention`)."""
-    p = check_qkv(q, k, v)
-    left, right = check_window(window, check_flag("causal", causal))
-    check_key_mask(p, key_mask, q)
-    check_mask(p, mask, q)
-    bias = check_bias(p, bias, q)
-    if isinstance(block_size, str) and block_size == "auto":
-        block_size = default_block_size(q)
-    block_size = check_positive_int("block_size", block_size, allow_none=True)
-    if block_size is not None and block_size >= p.n and block_size >= p.s:
-        block_size = None
-    segments, seg_shift = check_varlen(p, cu_seqlens_q, cu_seqlens_k, q)
-    heads = ()
-    if q.ndim >= 3:
-        grouped = q.ndim >= 5 and k.shape[-3] == 1 and q.shape[-3] > 1
-        heads = (q.shape[-4], q.shape[-3]) if grouped else (q.shape[-3],)
-    if seg_shift is not None:
-        shift = seg_shift
-    lg = Logits(scale=check_scale(scale, p.d), shift=p.s - p.n if shift is None else shift,
-                left=left, right=right, softcap=check_softcap(softcap),
-                score_mod=check_callable("score_mod", score_mod), bias=bias,
-                alibi_slopes=check_alibi_slopes(p, alibi_slopes, q), key_mask=key_mask,
-                query_mask=check_query_mask(p, query_mask, q), mask=mask,
-                mask_mod=check_callable("mask_mod", mask_mod), segments=segments,
-                heads=heads)
-    return Call(p, lg, check_dropout(p, dropout_mask, dropout_p, q), block_size,
-                check_flag("return_lse", return_lse))
 
 
 def _reference(call: Call, w: Working):
