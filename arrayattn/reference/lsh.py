@@ -57,22 +57,21 @@ def _broadcast(a, b):
 
 
 def _gather(xp, x, flat_idx, shape):
-    """Rows of ``x (B, n, f)`` at flat indices ``(B*L,)`` (``b*n + i``), reshaped."""
+    """Rows of ``x (B, n, f)`` at flat indices (``b*n + i``), reshaped."""
     B, n, f = x.shape
     return xp.reshape(xp.take(xp.reshape(x, (B * n, f)), flat_idx, axis=0), shape)
 
 
 def _look_one_back(xp, x, fill, axis=2):
-    """``(B, nc, C, ...) -> (B, nc, 2C, ...)``: each chunk preceded by the previous chunk.
+    """``(nc, B, C, ...) -> (nc, B, 2C, ...)``: each chunk preceded by the previous chunk.
 
-    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(B, nc, d, C)``).
+    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(nc, B, d, C)``).
     The first chunk has no previous chunk (no wrap-around): its look-back half is
     ``fill`` (a slot that no query may attend to).  The result is a fresh contiguous
     array (NumPy's batched matmul is ~10x slower on a transposed view).
     """
-    first = xp.full((x.shape[0], 1, *x.shape[2:]), fill, dtype=x.dtype,
-                    device=xp_device(x))
-    prev = xp.concat([first, x[:, :-1, ...]], axis=1)
+    first = xp.full((1, *x.shape[1:]), fill, dtype=x.dtype, device=xp_device(x))
+    prev = xp.concat([first, x[:-1, ...]], axis=0)
     return xp.concat([prev, x], axis=axis)
 
 
@@ -93,16 +92,19 @@ class SortedRound:
 
     Built from the round's ``bucket (B, n)`` (masked tokens in bucket ``nb``): a stable
     sort by bucket, padded to ``nc * C`` slots, ``nc`` a whole number of blocks of
-    chunks (a pad slot holds position 0, but its labels are -1).  :meth:`chunks`
-    gathers rows into the sorted chunks, :meth:`window` puts each chunk after the
-    previous one, :meth:`over_blocks` runs a step on each block of chunks (a scan),
-    :meth:`mask` gives a block's allowed pairs from its slots' labels, :meth:`unsort`
-    puts sorted rows back.
+    chunks (a pad slot holds position 0, but its labels are -1).  The chunk axis leads,
+    ``(nc, B, C, f)``: it is the axis the blocks of chunks are scanned over.
+    :meth:`chunks` gathers rows into the sorted chunks, :meth:`window` puts each chunk
+    after the previous one, :meth:`over_blocks` runs a step on each block of chunks (a
+    scan), :meth:`mask` gives a block's allowed pairs from its slots' labels,
+    :meth:`unsort` puts sorted rows back.
 
     The *labels* of a slot are its position, its bucket and -- for the duplicate count,
     when ``buckets (B, H, n)``, every round's, is given -- its bucket in every round:
-    ``(B, nc, C, m)`` ints, -1 for a pad slot (:attr:`labels`; the keys' are
-    ``window(labels)``, -1 in the first chunk's look-back half).
+    :attr:`labels`, a tuple of ``(nc, B, C)`` ints, -1 for a pad slot, and
+    :attr:`key_labels`, their windows ``(nc, B, 2C)``, -1 in the first chunk's
+    look-back half.  (Separate arrays, not one stacked array: a scanned block reads each
+    label contiguously, which XLA's fused mask needs to run at speed.)
     """
 
     def __init__(self, xp, bucket, buckets=None, *, C: int, nb: int, causal: bool, device):
@@ -117,56 +119,69 @@ class SortedRound:
         if L > n:
             order = xp.concat(
                 [order, xp.zeros((B, L - n), dtype=order.dtype, device=device)], axis=-1)
-        offsets = xp.reshape(xp.arange(B, dtype=order.dtype, device=device), (B, 1))
-        self.flat = xp.reshape(order + offsets * n, (B * L,))
-        self.flat_undo = xp.reshape(undo + offsets * L, (B * n,))
+        # Flat row indices, chunk-major: slot c C + i of batch b is row (c, b, i).
+        batch = xp.reshape(xp.arange(B, dtype=order.dtype, device=device), (B, 1))
+        self.flat = xp.reshape(xp.permute_dims(
+            xp.reshape(order + batch * n, (B, nc, C)), (1, 0, 2)), (nc * B * C,))
+        self.flat_undo = xp.reshape((undo // C) * (B * C) + batch * C + undo % C, (B * n,))
         every = [] if buckets is None else [buckets[:, r, :] for r in range(buckets.shape[1])]
         pos = xp.broadcast_to(xp.arange(n, dtype=bucket.dtype, device=device), (B, n))
-        labels = xp.stack([pos, bucket, *every], axis=-1)               # (B, n, m)
-        is_slot = xp.arange(L, dtype=order.dtype, device=device) < n
-        self.labels = xp.reshape(
-            xp.where(is_slot[:, None], _gather(xp, labels, self.flat, (B, L, labels.shape[-1])),
-                     -1), (B, nc, C, labels.shape[-1]))
+        labels = self.chunks(xp.stack([pos, bucket, *every], axis=-1))  # (nc, B, C, m)
+        slot = xp.arange(L, dtype=order.dtype, device=device)
+        labels = xp.where(xp.reshape(slot < n, (nc, 1, C, 1)), labels, -1)
+        self.labels = tuple(labels[..., i] for i in range(labels.shape[-1]))
+        self.key_labels = tuple(self.window(x, fill=-1) for x in self.labels)
         if causal:
             # Window index j >= query index i: the key is among the C sorted slots
             # before the query (slot c C + i sees slots (c - 1) C + j, j = i .. 2C - 1).
-            i = xp.arange(C, dtype=order.dtype, device=device)
-            self.near = xp.arange(2 * C, dtype=order.dtype, device=device) >= i[:, None]
+            j = xp.arange(2 * C, dtype=order.dtype, device=device)
+            self.near = j >= xp.reshape(j[:C], (C, 1))
 
     def chunks(self, x):
-        """``x (B, n, f)`` in sorted order, ``(B, nc, C, f)`` (pad slots: position 0)."""
-        return _gather(self.xp, x, self.flat, (self.B, self.nc, self.C, x.shape[-1]))
+        """``x (B, n, f)`` in sorted order, ``(nc, B, C, f)`` (pad slots: position 0)."""
+        return _gather(self.xp, x, self.flat, (self.nc, self.B, self.C, x.shape[-1]))
 
     def window(self, x, axis=2, fill=0):
-        """Each chunk preceded by the previous one: ``(B, nc, 2C, f)`` (see
+        """Each chunk preceded by the previous one: ``(nc, B, 2C, f)`` (see
         :func:`_look_one_back`; ``axis=-1`` for transposed keys)."""
         return _look_one_back(self.xp, x, fill, axis=axis)
 
     def unsort(self, y):
-        """Sorted rows ``(B, nc, C, f)`` back in position order: ``(B, n, f)``."""
-        flat = self.xp.reshape(y, (self.B * self.nc * self.C, y.shape[-1]))
+        """Sorted rows ``(nc, B, C, f)`` back in position order: ``(B, n, f)``."""
+        flat = self.xp.reshape(y, (self.nc * self.B * self.C, y.shape[-1]))
         return self.xp.reshape(self.xp.take(flat, self.flat_undo, axis=0),
                                (self.B, self.n, y.shape[-1]))
 
     def over_blocks(self, step, xs):
-        """``step(*block) -> tuple`` on each block of ``g`` chunks of the ``(B, nc, ...)``
-        arrays ``xs``, one :func:`~arrayattn.reference.scan.scan`; the outputs back as
-        ``(B, nc, ...)``.  (Blocks keep the score-sized temporaries near ``_TILE``
-        elements: memory ``O(n d + tile)`` instead of ``O(n C)``.)"""
-        xp, count = self.xp, self.nc // self.g
-        cut = tuple(xp.reshape(x, (x.shape[0], count, self.g, *x.shape[2:])) for x in xs)
-        _, ys = scan(lambda _, *block: (None, step(*block)), None, cut, axis=1)
-        return tuple(xp.reshape(y, (y.shape[0], self.nc, *y.shape[3:])) for y in ys)
+        """``step(*block) -> tuple`` on each block of ``g`` chunks of the ``(nc, ...)``
+        arrays ``xs`` (an entry may be a tuple of such arrays, such as the labels), one
+        :func:`~arrayattn.reference.scan.scan`; the outputs back as ``(nc, ...)``.
+        (Blocks keep the score-sized temporaries near ``_TILE`` elements: memory
+        ``O(n d + tile)`` instead of ``O(n C)``.)"""
+        xp, g = self.xp, self.g
+        sizes = [len(x) if isinstance(x, tuple) else None for x in xs]
+        flat = [a for x in xs for a in (x if isinstance(x, tuple) else (x,))]
+        cut = tuple(xp.reshape(x, (self.nc // g, g, *x.shape[1:])) for x in flat)
+
+        def block(_, *parts):    # the tuples of xs regrouped
+            args, at = [], 0
+            for size in sizes:
+                args.append(parts[at] if size is None else tuple(parts[at:at + size]))
+                at += 1 if size is None else size
+            return None, step(*args)
+
+        _, ys = scan(block, None, cut, axis=0)
+        return tuple(xp.reshape(y, (self.nc, *y.shape[2:])) for y in ys)
 
     def mask(self, at_q, at_k):
-        """``(allowed, rounds)`` of a block from its query labels ``(B, g, C, m)`` and key
-        labels ``(B, g, 2C, m)``, both ``(B, g, C, 2C)``: a query sees the other real
+        """``(allowed, rounds)`` of a block from its query labels (each ``(g, B, C)``) and
+        key labels (each ``(g, B, 2C)``), both ``(g, B, C, 2C)``: a query sees the other real
         tokens of its bucket in its chunk and the previous one (causal: the ``C`` sorted
         slots before it); ``rounds`` is ``N_ij``, the number of rounds in which the pair
         shares a bucket (``None`` without every round's labels; ``>= 1`` where allowed)."""
         xp = self.xp
-        pq, pk = at_q[..., :, None, 0], at_k[..., None, :, 0]
-        bq, bk = at_q[..., :, None, 1], at_k[..., None, :, 1]
+        pq, pk = at_q[0][..., :, None], at_k[0][..., None, :]
+        bq, bk = at_q[1][..., :, None], at_k[1][..., None, :]
         # Paper eq. (3): same bucket only, and a real key (pad slots and the first
         # chunk's look-back are in bucket -1, masked tokens in bucket nb).
         allowed = (bq == bk) & (bk >= 0) & (bk < self.nb) & (
@@ -179,8 +194,8 @@ class SortedRound:
             # bucket could shift the window and change a past output.
             allowed = allowed & self.near
         rounds = None
-        for r in range(2, at_q.shape[-1]):
-            same = xp.astype(at_q[..., :, None, r] == at_k[..., None, :, r], xp.int8)
+        for hq, hk in zip(at_q[2:], at_k[2:]):    # every round's buckets
+            same = xp.astype(hq[..., :, None] == hk[..., None, :], xp.int8)
             rounds = same if rounds is None else rounds + same
         return allowed, rounds
 
@@ -196,7 +211,7 @@ def _lsh_round(xp, qs, ks, vs, bucket, buckets, *, C, nb, causal, device):
 
     def block(q, k_t, v, at_q, at_k):
         allowed, rounds = rd.mask(at_q, at_k)
-        scores = q @ k_t                                                # (B, g, C, 2C)
+        scores = q @ k_t                                                # (g, B, C, 2C)
         if rounds is not None:
             # Subtracting log N_ij makes a pair met in several rounds count once.
             scores = scores - xp.log(xp.maximum(xp.astype(rounds, qs.dtype), 1.0))
@@ -204,7 +219,7 @@ def _lsh_round(xp, qs, ks, vs, bucket, buckets, *, C, nb, causal, device):
 
     out, lse = rd.over_blocks(block, (
         rd.chunks(qs), rd.window(xp.matrix_transpose(rd.chunks(ks)), axis=-1),
-        rd.window(rd.chunks(vs)), rd.labels, rd.window(rd.labels, fill=-1)))
+        rd.window(rd.chunks(vs)), rd.labels, rd.key_labels))
     return rd.unsort(out), rd.unsort(lse[..., None])[..., 0]
 
 

@@ -85,10 +85,10 @@ def lsh_attention_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_size: int
 
 
 def _fold(xp, w, C: int):
-    """The adjoint of the look-back window: ``(B, nc, 2C, f) -> (B, nc, C, f)``, a slot's
+    """The adjoint of the look-back window: ``(nc, B, 2C, f) -> (nc, B, C, f)``, a slot's
     own half plus its copy in the next chunk's look-back half."""
-    zero = xp.zeros((w.shape[0], 1, C, w.shape[-1]), dtype=w.dtype, device=xp_device(w))
-    return w[:, :, C:, :] + xp.concat([w[:, 1:, :C, :], zero], axis=1)
+    zero = xp.zeros((1, *w.shape[1:-2], C, w.shape[-1]), dtype=w.dtype, device=xp_device(w))
+    return w[..., C:, :] + xp.concat([w[1:, ..., :C, :], zero], axis=0)
 
 
 def lsh_attention_chunked_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_size: int,
@@ -122,7 +122,7 @@ def lsh_attention_chunked_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_s
         dq_c, dk_w, dv_w = rd.over_blocks(block, (
             rd.chunks(q), rd.window(rd.chunks(k)), rd.window(rd.chunks(vz)), rd.chunks(do3),
             rd.chunks(z[..., None])[..., 0], rd.chunks(delta[..., None])[..., 0],
-            rd.labels, rd.window(rd.labels, fill=-1)))
+            rd.labels, rd.key_labels))
         dq, dk, dv = grads
         return (dq + rd.unsort(dq_c), dk + rd.unsort(_fold(xp, dk_w, C)),
                 dv + rd.unsort(_fold(xp, dv_w, C))), None
