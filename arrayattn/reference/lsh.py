@@ -126,10 +126,9 @@ class SortedRound:
         self.flat_undo = xp.reshape((undo // C) * (B * C) + batch * C + undo % C, (B * n,))
         every = [] if buckets is None else [buckets[:, r, :] for r in range(buckets.shape[1])]
         pos = xp.broadcast_to(xp.arange(n, dtype=bucket.dtype, device=device), (B, n))
-        labels = self.chunks(xp.stack([pos, bucket, *every], axis=-1))  # (nc, B, C, m)
-        slot = xp.arange(L, dtype=order.dtype, device=device)
-        labels = xp.where(xp.reshape(slot < n, (nc, 1, C, 1)), labels, -1)
-        self.labels = tuple(labels[..., i] for i in range(labels.shape[-1]))
+        is_slot = xp.reshape(xp.arange(L, dtype=order.dtype, device=device) < n, (nc, 1, C))
+        self.labels = tuple(xp.where(is_slot, self.chunks(x[..., None])[..., 0], -1)
+                            for x in (pos, bucket, *every))             # (nc, B, C) each
         self.key_labels = tuple(self.window(x, fill=-1) for x in self.labels)
         if causal:
             # Window index j >= query index i: the key is among the C sorted slots
