@@ -109,9 +109,6 @@ def test_sparse_chunks_and_parts(name, monkeypatch):
     _assert_flat([_ops(SPARSE[name], *[(1, 2, n, 16)] * 3) for n in SIZES])
 
 
-@pytest.mark.xfail(strict=True, reason="LSH's rounds and blocks of chunks now share one "
-                   "structure with the backward (reference/lsh.py SortedRound); its loops are "
-                   "not scans yet (#26)")
 def test_lsh_blocks_of_chunks(monkeypatch):
     """LSH's blocks of chunks (one chunk per block here) scan too, as do its rounds."""
     import arrayattn.reference.lsh as lsh_module

@@ -178,7 +178,12 @@ def test_grad_blockwise(options):
     _check(lambda q, k, v: R.attention_blockwise(q, k, v, lg, block_size=5), (q, k, v))
 
 
-def test_grad_lsh_blocks_of_chunks(monkeypatch):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_grad_lsh_blocks_of_chunks(monkeypatch, dedup):
+    """LSH's scans over the hash rounds and the blocks of chunks: one chunk per block,
+    then blocks of 3 chunks (10 chunks of 4 tokens: 2 pad chunks fill the last block)
+    with padding (a key mask computed from the input: piecewise constant, as the
+    buckets are)."""
     import arrayattn.reference.lsh as lsh_module
 
     monkeypatch.setattr(lsh_module, "_TILE", 1)           # one chunk per block
@@ -188,7 +193,30 @@ def test_grad_lsh_blocks_of_chunks(monkeypatch):
     for causal in (False, True):
         _check(lambda qk, v, rot: R.lsh_attention_chunked(qk, v, rot, num_buckets=4,
                                                          chunk_size=4, scale=0.5,
-                                                         causal=causal), (qk, v, rot))
+                                                         causal=causal, dedup=dedup),
+               (qk, v, rot))
+    monkeypatch.setattr(lsh_module, "_TILE", 3 * 4 * 2 * 4 * 4)   # blocks of 3 chunks
+    _check(lambda qk, v, rot: R.lsh_attention_chunked(
+        qk, v, rot, num_buckets=4, chunk_size=4, scale=0.5, causal=True, dedup=dedup,
+        key_mask=qk[..., 0] > -0.8), (qk, v, rot))
+
+
+def test_lsh_chunked_backward_scanned():
+    """The chunked LSH backward (its rounds and blocks scanned) under ``jax.jit`` equals
+    the plain loops on NumPy."""
+    from arrayattn.reference.lsh_vjp import lsh_attention_chunked_vjp
+
+    rng = np.random.default_rng(11)
+    qk, _, v = _qkv(rng, n=41)
+    do = rng.standard_normal(v.shape)
+    km = rng.random(qk.shape[:-1]) < 0.8
+    rot = rng.standard_normal((3, qk.shape[-1], 2))
+    opts = dict(num_buckets=4, chunk_size=4, scale=0.5, causal=True)
+    want = lsh_attention_chunked_vjp(qk, v, do, rot, key_mask=km, **opts)
+    got = jax.jit(lambda *a: lsh_attention_chunked_vjp(*a[:4], key_mask=a[4], **opts))(
+        *(jnp.asarray(x) for x in (qk, v, do, rot, km)))
+    for name in ("qk", "v"):
+        _close(got[name], want[name])
 
 
 def test_grad_pinv_razavi():

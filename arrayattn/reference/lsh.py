@@ -12,6 +12,7 @@ from array_api_compat import device as xp_device
 
 from .masks import attend, log_total, masked_softmax, zero_masked_keys
 from .rows import unit_rows
+from .scan import scan
 
 __all__ = ["lsh_hash", "lsh_attention", "lsh_attention_chunked", "lsh_pattern",
            "lsh_inputs", "lsh_rounds", "SortedRound"]
@@ -56,150 +57,169 @@ def _broadcast(a, b):
 
 
 def _gather(xp, x, flat_idx, shape):
-    """Rows of ``x (B, n, f)`` at flat indices ``(B*L,)`` (``b*n + i``), reshaped."""
+    """Rows of ``x (B, n, f)`` at flat indices (``b*n + i``), reshaped."""
     B, n, f = x.shape
     return xp.reshape(xp.take(xp.reshape(x, (B * n, f)), flat_idx, axis=0), shape)
 
 
 def _look_one_back(xp, x, fill, axis=2):
-    """``(B, nc, C, ...) -> (B, nc, 2C, ...)``: each chunk preceded by the previous chunk.
+    """``(nc, B, C, ...) -> (nc, B, 2C, ...)``: each chunk preceded by the previous chunk.
 
-    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(B, nc, d, C)``).
+    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(nc, B, d, C)``).
     The first chunk has no previous chunk (no wrap-around): its look-back half is
     ``fill`` (a slot that no query may attend to).  The result is a fresh contiguous
     array (NumPy's batched matmul is ~10x slower on a transposed view).
     """
-    first = xp.full((x.shape[0], 1, *x.shape[2:]), fill, dtype=x.dtype,
-                    device=xp_device(x))
-    prev = xp.concat([first, x[:, :-1, ...]], axis=1)
+    first = xp.full((1, *x.shape[1:]), fill, dtype=x.dtype, device=xp_device(x))
+    prev = xp.concat([first, x[:-1, ...]], axis=0)
     return xp.concat([prev, x], axis=axis)
 
 
 _TILE = 1 << 22  # elements of one score-sized temporary (16 MiB in float32)
 
 
+def _blocking(B: int, C: int, nc: int):
+    """``(g, count)``: blocks of ``g`` chunks whose ``(C, 2C)`` tiles hold about ``_TILE``
+    elements in all, as even as can be (``count * g >= nc``; the rest are pad chunks)."""
+    most = max(1, _TILE // (B * C * 2 * C))
+    count = -(-nc // most)
+    return -(-nc // count), count
+
+
 class SortedRound:
     """One hash round's sorted, chunked order, as index arrays on the device (what the
     forward and the backward of a round share).
 
-    Built from ``buckets (B, H, n)`` (masked tokens in bucket ``nb``) for round ``r``:
-    a stable sort by bucket, padded to ``nc * C`` slots (a pad slot holds position 0
-    but bucket -1).  :meth:`chunks` gathers rows into the sorted chunks, :meth:`window`
-    puts each chunk after the previous one, :meth:`mask` gives the allowed pairs (and
-    the duplicate count) of a block of chunks, :meth:`unsort` puts sorted rows back.
+    Built from the round's ``bucket (B, n)`` (masked tokens in bucket ``nb``): a stable
+    sort by bucket, padded to ``nc * C`` slots, ``nc`` a whole number of blocks of
+    chunks (a pad slot holds position 0, but its labels are -1).  The chunk axis leads,
+    ``(nc, B, C, f)``: it is the axis the blocks of chunks are scanned over.
+    :meth:`chunks` gathers rows into the sorted chunks, :meth:`window` puts each chunk
+    after the previous one, :meth:`over_blocks` runs a step on each block of chunks (a
+    scan), :meth:`mask` gives a block's allowed pairs from its slots' labels,
+    :meth:`unsort` puts sorted rows back.
+
+    The *labels* of a slot are its position, its bucket and -- for the duplicate count,
+    when ``buckets (B, H, n)``, every round's, is given -- its bucket in every round:
+    :attr:`labels`, a tuple of ``(nc, B, C)`` ints, -1 for a pad slot, and
+    :attr:`key_labels`, their windows ``(nc, B, 2C)``, -1 in the first chunk's
+    look-back half.  (Separate arrays, not one stacked array: a scanned block reads each
+    label contiguously, which XLA's fused mask needs to run at speed.)
     """
 
-    def __init__(self, xp, buckets, r: int, *, n: int, C: int, nb: int, causal: bool,
-                 dedup: bool, device):
-        B, H = buckets.shape[0], buckets.shape[1]
-        self.xp, self.B, self.n, self.C, self.causal = xp, B, n, C, causal
-        self.nc = nc = -(-n // C)
+    def __init__(self, xp, bucket, buckets=None, *, C: int, nb: int, causal: bool, device):
+        B, n = bucket.shape
+        self.xp, self.B, self.n, self.C, self.nb, self.causal = xp, B, n, C, nb, causal
+        self.g, count = _blocking(B, C, -(-n // C))
+        self.nc = nc = self.g * count
         L = nc * C
-        order = xp.argsort(buckets[:, r, :], axis=-1, stable=True)      # (B, n) positions
+        order = xp.argsort(bucket, axis=-1, stable=True)               # (B, n) positions
         # Sorted slot t holds position order[t]; position i is at undo[i].
         undo = xp.argsort(order, axis=-1, stable=True)
         if L > n:
             order = xp.concat(
                 [order, xp.zeros((B, L - n), dtype=order.dtype, device=device)], axis=-1)
-        offsets = xp.reshape(xp.arange(B, dtype=order.dtype, device=device), (B, 1))
-        self.flat = xp.reshape(order + offsets * n, (B * L,))
-        self.flat_undo = xp.reshape(undo + offsets * L, (B * n,))
-        is_slot = xp.arange(L, device=device) < n                         # (L,)
-
-        def sorted_ints(a):  # (B, n) ints -> (B, nc, C), pad slots -1
-            g = xp.reshape(xp.take(xp.reshape(a, (B * n,)), self.flat, axis=0), (B, L))
-            return xp.reshape(xp.where(is_slot, g, -1), (B, nc, C))
-
-        self.pos = sorted_ints(xp.broadcast_to(xp.arange(n, device=device), (B, n)))
-        self.pk = _look_one_back(xp, self.pos, -1)
+        # Flat row indices, chunk-major: slot c C + i of batch b is row (c, b, i).
+        batch = xp.reshape(xp.arange(B, dtype=order.dtype, device=device), (B, 1))
+        self.flat = xp.reshape(xp.permute_dims(
+            xp.reshape(order + batch * n, (B, nc, C)), (1, 0, 2)), (nc * B * C,))
+        self.flat_undo = xp.reshape((undo // C) * (B * C) + batch * C + undo % C, (B * n,))
+        every = [] if buckets is None else [buckets[:, r, :] for r in range(buckets.shape[1])]
+        pos = xp.broadcast_to(xp.arange(n, dtype=bucket.dtype, device=device), (B, n))
+        is_slot = xp.reshape(xp.arange(L, dtype=order.dtype, device=device) < n, (nc, 1, C))
+        self.labels = tuple(xp.where(is_slot, self.chunks(x[..., None])[..., 0], -1)
+                            for x in (pos, bucket, *every))             # (nc, B, C) each
+        self.key_labels = tuple(self.window(x, fill=-1) for x in self.labels)
         if causal:
-            # Sorted rank of each slot, and of each key slot in the look-back window.
-            self.slot = xp.reshape(xp.arange(L, device=device), (1, nc, C))
-            self.slot_k = _look_one_back(xp, self.slot, -L)
-        bq = sorted_ints(buckets[:, r, :])
-        bk = _look_one_back(xp, bq, -1)
-        # Paper eq. (3): same bucket only.  Queries and keys that are not real (pad
-        # slots in bucket -1, masked tokens in bucket nb) get codes that match nothing.
-        self.bq_code = xp.where((bq >= 0) & (bq < nb), bq, -2)
-        self.bk_code = xp.where((bk >= 0) & (bk < nb), bk, -1)
-        self.others = []  # the other rounds' buckets, for the duplicate count
-        if dedup and H > 1:
-            for r2 in range(H):
-                if r2 != r:
-                    b2 = sorted_ints(buckets[:, r2, :])
-                    self.others.append((b2, _look_one_back(xp, b2, -1)))
-
-    def blocks(self):
-        """Slices of chunks whose ``(C, 2C)`` tiles hold about ``_TILE`` elements in all."""
-        step = max(1, _TILE // (self.B * self.C * 2 * self.C))
-        return [slice(c0, min(c0 + step, self.nc)) for c0 in range(0, self.nc, step)]
+            # Window index j >= query index i: the key is among the C sorted slots
+            # before the query (slot c C + i sees slots (c - 1) C + j, j = i .. 2C - 1).
+            j = xp.arange(2 * C, dtype=order.dtype, device=device)
+            self.near = j >= xp.reshape(j[:C], (C, 1))
 
     def chunks(self, x):
-        """``x (B, n, f)`` in sorted order, ``(B, nc, C, f)`` (pad slots: position 0)."""
-        return _gather(self.xp, x, self.flat, (self.B, self.nc, self.C, x.shape[-1]))
+        """``x (B, n, f)`` in sorted order, ``(nc, B, C, f)`` (pad slots: position 0)."""
+        return _gather(self.xp, x, self.flat, (self.nc, self.B, self.C, x.shape[-1]))
 
-    def window(self, x, axis=2):
-        """Each chunk preceded by the previous one: ``(B, nc, 2C, f)`` (see
+    def window(self, x, axis=2, fill=0):
+        """Each chunk preceded by the previous one: ``(nc, B, 2C, f)`` (see
         :func:`_look_one_back`; ``axis=-1`` for transposed keys)."""
-        return _look_one_back(self.xp, x, 0, axis=axis)
+        return _look_one_back(self.xp, x, fill, axis=axis)
 
     def unsort(self, y):
-        """Sorted rows ``(B, nc, C, f)`` back in position order: ``(B, n, f)``."""
-        flat = self.xp.reshape(y, (self.B * self.nc * self.C, y.shape[-1]))
+        """Sorted rows ``(nc, B, C, f)`` back in position order: ``(B, n, f)``."""
+        flat = self.xp.reshape(y, (self.nc * self.B * self.C, y.shape[-1]))
         return self.xp.reshape(self.xp.take(flat, self.flat_undo, axis=0),
                                (self.B, self.n, y.shape[-1]))
 
-    def mask(self, blk: slice):
-        """``(allowed, count)`` of a block of chunks, both ``(B, g, C, 2C)``: a query sees
-        the other real tokens of its bucket in its chunk and the previous one (causal:
-        the ``C`` sorted slots before it); ``count`` is the number of other rounds in
-        which the pair shares a bucket (``None`` without ``dedup``), so that where
-        allowed ``N_ij = 1 + count``."""
+    def over_blocks(self, step, xs):
+        """``step(*block) -> tuple`` on each block of ``g`` chunks of the ``(nc, ...)``
+        arrays ``xs`` (an entry may be a tuple of such arrays, such as the labels), one
+        :func:`~arrayattn.reference.scan.scan`; the outputs back as ``(nc, ...)``.
+        (Blocks keep the score-sized temporaries near ``_TILE`` elements: memory
+        ``O(n d + tile)`` instead of ``O(n C)``.)"""
+        xp, g = self.xp, self.g
+        sizes = [len(x) if isinstance(x, tuple) else None for x in xs]
+        flat = [a for x in xs for a in (x if isinstance(x, tuple) else (x,))]
+        cut = tuple(xp.reshape(x, (self.nc // g, g, *x.shape[1:])) for x in flat)
+
+        def block(_, *parts):    # the tuples of xs regrouped
+            args, at = [], 0
+            for size in sizes:
+                args.append(parts[at] if size is None else tuple(parts[at:at + size]))
+                at += 1 if size is None else size
+            return None, step(*args)
+
+        _, ys = scan(block, None, cut, axis=0)
+        return tuple(xp.reshape(y, (self.nc, *y.shape[2:])) for y in ys)
+
+    def mask(self, at_q, at_k):
+        """``(allowed, rounds)`` of a block from its query labels (each ``(g, B, C)``) and
+        key labels (each ``(g, B, 2C)``), both ``(g, B, C, 2C)``: a query sees the other real
+        tokens of its bucket in its chunk and the previous one (causal: the ``C`` sorted
+        slots before it); ``rounds`` is ``N_ij``, the number of rounds in which the pair
+        shares a bucket (``None`` without every round's labels; ``>= 1`` where allowed)."""
         xp = self.xp
-        pq4, pk4 = self.pos[:, blk, :, None], self.pk[:, blk, None, :]
-        allowed = (self.bq_code[:, blk, :, None] == self.bk_code[:, blk, None, :]) & (
-            (pk4 < pq4) if self.causal else (pk4 != pq4))
+        pq, pk = at_q[0][..., :, None], at_k[0][..., None, :]
+        bq, bk = at_q[1][..., :, None], at_k[1][..., None, :]
+        # Paper eq. (3): same bucket only, and a real key (pad slots and the first
+        # chunk's look-back are in bucket -1, masked tokens in bucket nb).
+        allowed = (bq == bk) & (bk >= 0) & (bk < self.nb) & (
+            (pk < pq) if self.causal else (pk != pq))
         if self.causal:
             # A sliding window of the C sorted slots before the query instead of the
             # chunk + previous chunk: within a bucket, slots are in position order, so
             # the window holds the query's min(C, #) most recent same-bucket keys -- a
             # set fixed by past tokens alone.  With chunk boundaries a future token's
             # bucket could shift the window and change a past output.
-            allowed = allowed & (
-                self.slot[:, blk, :, None] - self.slot_k[:, blk, None, :] <= self.C)
-        count = None
-        for b2q, b2k in self.others:
-            same = xp.astype(b2q[:, blk, :, None] == b2k[:, blk, None, :], xp.int8)
-            count = same if count is None else count + same
-        return allowed, count
+            allowed = allowed & self.near
+        rounds = None
+        for hq, hk in zip(at_q[2:], at_k[2:]):    # every round's buckets
+            same = xp.astype(hq[..., :, None] == hk[..., None, :], xp.int8)
+            rounds = same if rounds is None else rounds + same
+        return allowed, rounds
 
 
-def _lsh_round(xp, qs, ks, vs, buckets, r, *, n, C, nb, causal, dedup, work_dtype, device):
+def _lsh_round(xp, qs, ks, vs, bucket, buckets, *, C, nb, causal, device):
     """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
 
-    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``;
-    ``buckets`` is ``(B, H, n)`` with masked tokens in bucket ``nb``.
+    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``; ``bucket``
+    is the round's ``(B, n)`` with masked tokens in bucket ``nb``; ``buckets (B, H, n)``
+    every round's (the duplicate count), or ``None``.
     """
-    rd = SortedRound(xp, buckets, r, n=n, C=C, nb=nb, causal=causal, dedup=dedup,
-                     device=device)
-    q_c = rd.chunks(qs)
-    k_wt = rd.window(xp.matrix_transpose(rd.chunks(ks)), axis=-1)     # (B, nc, d, 2C)
-    v_w = rd.window(rd.chunks(vs))
-    # The score-sized work runs over blocks of chunks, so that its temporaries stay
-    # near _TILE elements (cache-friendly, memory O(n d + tile) instead of O(n C)).
-    outs, lses = [], []
-    for blk in rd.blocks():
-        allowed, count = rd.mask(blk)
-        scores = q_c[:, blk, ...] @ k_wt[:, blk, ...]                 # (B, g, C, 2C)
-        if count is not None:
+    rd = SortedRound(xp, bucket, buckets, C=C, nb=nb, causal=causal, device=device)
+
+    def block(q, k_t, v, at_q, at_k):
+        allowed, rounds = rd.mask(at_q, at_k)
+        scores = q @ k_t                                                # (g, B, C, 2C)
+        if rounds is not None:
             # Subtracting log N_ij makes a pair met in several rounds count once.
-            scores = scores - xp.log1p(xp.astype(count, work_dtype))
-        o, z = attend(scores, v_w[:, blk, ...], allowed)
-        outs.append(o)
-        lses.append(z[..., None])
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=1)
-    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=1)
-    return rd.unsort(out), rd.unsort(lse)[..., 0]
+            scores = scores - xp.log(xp.maximum(xp.astype(rounds, qs.dtype), 1.0))
+        return attend(scores, v, allowed)
+
+    out, lse = rd.over_blocks(block, (
+        rd.chunks(qs), rd.window(xp.matrix_transpose(rd.chunks(ks)), axis=-1),
+        rd.window(rd.chunks(vs)), rd.labels, rd.key_labels))
+    return rd.unsort(out), rd.unsort(lse[..., None])[..., 0]
 
 
 def lsh_pattern(qk, rotations, *, num_buckets: int, chunk_size: int, causal: bool = False,
@@ -268,20 +288,24 @@ def lsh_rounds(qk, v, buckets, *, num_buckets: int, chunk_size: int, scale: floa
     xp = array_namespace(qk, v)
     B, n = buckets.shape[0], buckets.shape[-1]
     dev = xp_device(qk)
-    ks = unit_rows(qk)[0]
+    qs, ks = qk * scale, unit_rows(qk)[0]
+    every = buckets if dedup and buckets.shape[1] > 1 else None   # for N_ij
+
     # The rounds merged as they come (the online log-sum-exp): top = running max of the
     # rounds' lse, total = sum_r e^{z_r - top}, acc = sum_r e^{z_r - top} o_r.
-    top = xp.full((B, n), -xp.inf, dtype=qk.dtype, device=dev)
-    total = xp.zeros((B, n), dtype=qk.dtype, device=dev)
-    acc = xp.zeros((B, n, v.shape[-1]), dtype=qk.dtype, device=dev)
-    for r in range(buckets.shape[1]):
-        o, z = _lsh_round(xp, qk * scale, ks, v, buckets, r, n=n, C=chunk_size,
-                          nb=num_buckets, causal=causal, dedup=dedup,
-                          work_dtype=qk.dtype, device=dev)
+    def one_round(state, bucket):
+        top, total, acc = state
+        o, z = _lsh_round(xp, qs, ks, v, bucket, every,
+                          C=chunk_size, nb=num_buckets, causal=causal, device=dev)
         new_top = xp.maximum(top, z)
         shift = xp.where(new_top == -xp.inf, 0.0, new_top)
         old, new = xp.exp(top - shift), xp.exp(z - shift)
-        total, acc, top = total * old + new, acc * old[..., None] + o * new[..., None], new_top
+        return (new_top, total * old + new, acc * old[..., None] + o * new[..., None]), None
+
+    start = (xp.full((B, n), -xp.inf, dtype=qk.dtype, device=dev),
+             xp.zeros((B, n), dtype=qk.dtype, device=dev),
+             xp.zeros((B, n, v.shape[-1]), dtype=qk.dtype, device=dev))
+    (top, total, acc), _ = scan(one_round, start, (buckets,), axis=1)
     return acc / xp.where(total > 0, total, 1.0)[..., None], log_total(total, top)
 
 

@@ -51,6 +51,7 @@ from .exact_vjp import tile_backward
 from .logits import Logits
 from .lsh import SortedRound, lsh_inputs, lsh_pattern, lsh_rounds
 from .rows import unit_rows, unit_rows_vjp
+from .scan import scan
 from .masks import softmax_lse, zero_masked_keys
 
 __all__ = ["lsh_attention_vjp", "lsh_attention_chunked_vjp"]
@@ -84,10 +85,10 @@ def lsh_attention_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_size: int
 
 
 def _fold(xp, w, C: int):
-    """The adjoint of the look-back window: ``(B, nc, 2C, f) -> (B, nc, C, f)``, a slot's
+    """The adjoint of the look-back window: ``(nc, B, 2C, f) -> (nc, B, C, f)``, a slot's
     own half plus its copy in the next chunk's look-back half."""
-    zero = xp.zeros((w.shape[0], 1, C, w.shape[-1]), dtype=w.dtype, device=xp_device(w))
-    return w[:, :, C:, :] + xp.concat([w[:, 1:, :C, :], zero], axis=1)
+    zero = xp.zeros((1, *w.shape[1:-2], C, w.shape[-1]), dtype=w.dtype, device=xp_device(w))
+    return w[..., C:, :] + xp.concat([w[1:, ..., :C, :], zero], axis=0)
 
 
 def lsh_attention_chunked_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_size: int,
@@ -105,29 +106,29 @@ def lsh_attention_chunked_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_s
                         causal=causal, dedup=dedup)
     delta = xp.sum(do3 * out, axis=-1)                                     # D = rowsum(dO O)
     q, k = x * scale, unit_rows(x)[0]
-    dq, dk, dv = xp.zeros_like(x), xp.zeros_like(x), xp.zeros_like(vz)
-    for r in range(H):
-        rd = SortedRound(xp, buckets, r, n=n, C=C, nb=num_buckets, causal=causal,
-                         dedup=dedup, device=dev)
-        q_c, do_c = rd.chunks(q), rd.chunks(do3)
-        k_w, v_w = rd.window(rd.chunks(k)), rd.window(rd.chunks(vz))
-        z_c, d_c = rd.chunks(z[..., None])[..., 0], rd.chunks(delta[..., None])[..., 0]
-        parts = []
-        for blk in rd.blocks():
-            allowed, count = rd.mask(blk)
-            lg = Logits(scale=1.0, mask=allowed, bias=None if count is None else
-                        -xp.log1p(xp.astype(count, x.dtype)))
-            do_b = do_c[:, blk, ...]
-            pz, _, dsr, kj, qi = tile_backward(lg, q_c[:, blk, ...], k_w[:, blk, ...],
-                                               v_w[:, blk, ...], do_b, d_c[:, blk, ...],
-                                               z_c[:, blk, ...], None, 0, C, 0, 2 * C)
-            parts.append((dsr @ kj, xp.matrix_transpose(dsr) @ qi,
-                          xp.matrix_transpose(pz) @ do_b))
-        dq_c, dk_w, dv_w = (xp.concat([p[i] for p in parts], axis=1) if len(parts) > 1
-                            else parts[0][i] for i in range(3))
-        dq = dq + rd.unsort(dq_c)
-        dk = dk + rd.unsort(_fold(xp, dk_w, C))
-        dv = dv + rd.unsort(_fold(xp, dv_w, C))
+    every = buckets if dedup and H > 1 else None                           # for N_ij
+
+    def one_round(grads, bucket):
+        rd = SortedRound(xp, bucket, every, C=C, nb=num_buckets, causal=causal, device=dev)
+
+        def block(q_b, k_b, v_b, do_b, z_b, d_b, at_q, at_k):
+            allowed, rounds = rd.mask(at_q, at_k)
+            lg = Logits(scale=1.0, mask=allowed, bias=None if rounds is None else
+                        -xp.log(xp.maximum(xp.astype(rounds, x.dtype), 1.0)))
+            pz, _, dsr, kj, qi = tile_backward(lg, q_b, k_b, v_b, do_b, d_b, z_b, None,
+                                               0, C, 0, 2 * C)
+            return dsr @ kj, xp.matrix_transpose(dsr) @ qi, xp.matrix_transpose(pz) @ do_b
+
+        dq_c, dk_w, dv_w = rd.over_blocks(block, (
+            rd.chunks(q), rd.window(rd.chunks(k)), rd.window(rd.chunks(vz)), rd.chunks(do3),
+            rd.chunks(z[..., None])[..., 0], rd.chunks(delta[..., None])[..., 0],
+            rd.labels, rd.key_labels))
+        dq, dk, dv = grads
+        return (dq + rd.unsort(dq_c), dk + rd.unsort(_fold(xp, dk_w, C)),
+                dv + rd.unsort(_fold(xp, dv_w, C))), None
+
+    (dq, dk, dv), _ = scan(one_round, (xp.zeros_like(x), xp.zeros_like(x), xp.zeros_like(vz)),
+                           (buckets,), axis=1)
     dv = dv + xp.where(xp.isfinite(z)[..., None], 0.0, do3)  # no key: o_i = v_i
     dx = scale * dq + unit_rows_vjp(x, dk)
     dx = xp.reshape(dx, (*batch, n, dx.shape[-1]))
