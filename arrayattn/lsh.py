@@ -231,8 +231,8 @@ def lsh_attention(qk, v, /, *, num_hashes=4, num_buckets=None, chunk_size=64, se
 
     Cost per round: two ``argsort`` of length ``n``, gathers of ``n (d + dv)``,
     ``4 n C (d + dv)`` FLOPs for the scores and the product; memory ``O(n (d + dv))``
-    plus score tiles of about ``2^22`` entries.  Python loops run over the ``H`` rounds
-    and over blocks of chunks only.
+    plus score tiles of about ``2^22`` entries.  The ``H`` rounds and the blocks of chunks
+    are scans (:mod:`arrayattn.reference.scan`: one loop body under ``jax.jit``).
 
     Examples
     --------

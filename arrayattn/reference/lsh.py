@@ -10,7 +10,7 @@ import math
 from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
 
-from .masks import attend, log_total, masked_softmax, zero_masked_keys
+from .masks import attend, log_total, masked_softmax, merge_partials, zero_masked_keys
 from .rows import unit_rows
 from .scan import scan
 
@@ -291,22 +291,19 @@ def lsh_rounds(qk, v, buckets, *, num_buckets: int, chunk_size: int, scale: floa
     qs, ks = qk * scale, unit_rows(qk)[0]
     every = buckets if dedup and buckets.shape[1] > 1 else None   # for N_ij
 
-    # The rounds merged as they come (the online log-sum-exp): top = running max of the
-    # rounds' lse, total = sum_r e^{z_r - top}, acc = sum_r e^{z_r - top} o_r.
+    # The rounds merged as they come (masks.merge_partials, the online log-sum-exp):
+    # each round is the part (z_r, 1, o_r); the carry (top, total, acc) is the running max
+    # of the rounds' lse, sum_r e^{z_r - top} and sum_r e^{z_r - top} o_r.
     def one_round(state, bucket):
-        top, total, acc = state
         o, z = _lsh_round(xp, qs, ks, v, bucket, every,
                           C=chunk_size, nb=num_buckets, causal=causal, device=dev)
-        new_top = xp.maximum(top, z)
-        shift = xp.where(new_top == -xp.inf, 0.0, new_top)
-        old, new = xp.exp(top - shift), xp.exp(z - shift)
-        return (new_top, total * old + new, acc * old[..., None] + o * new[..., None]), None
+        return merge_partials(state, (z[..., None], xp.ones_like(z[..., None]), o)), None
 
-    start = (xp.full((B, n), -xp.inf, dtype=qk.dtype, device=dev),
-             xp.zeros((B, n), dtype=qk.dtype, device=dev),
+    start = (xp.full((B, n, 1), -xp.inf, dtype=qk.dtype, device=dev),
+             xp.zeros((B, n, 1), dtype=qk.dtype, device=dev),
              xp.zeros((B, n, v.shape[-1]), dtype=qk.dtype, device=dev))
     (top, total, acc), _ = scan(one_round, start, (buckets,), axis=1)
-    return acc / xp.where(total > 0, total, 1.0)[..., None], log_total(total, top)
+    return acc / xp.where(total > 0, total, 1.0), log_total(total, top)[..., 0]
 
 
 def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int,
