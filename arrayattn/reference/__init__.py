@@ -13,6 +13,7 @@ function that can be read -- and called -- on its own.
 from . import finite
 from . import masks
 from . import rows
+from . import chunks
 from . import scan
 from . import exact
 from . import exact_vjp
@@ -41,6 +42,7 @@ from . import lsh_vjp
 from .finite import *  # noqa: F401,F403
 from .masks import *  # noqa: F401,F403
 from .rows import *  # noqa: F401,F403
+from .chunks import *  # noqa: F401,F403
 from .exact import *  # noqa: F401,F403
 from .exact_vjp import *  # noqa: F401,F403
 from .kernel import *  # noqa: F401,F403

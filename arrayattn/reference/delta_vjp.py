@@ -86,7 +86,8 @@ import functools
 
 from array_api_compat import array_namespace, device
 
-from .gated import decay_matrix, in_chunks
+from .chunks import in_chunks, unchunk
+from .gated import decay_matrix
 from .scan import scan
 
 __all__ = ["delta_recurrent_vjp", "delta_chunked_vjp"]
@@ -96,12 +97,6 @@ def _rows(x, c: int):
     """``x (..., n, f)`` in chunks of ``c`` tokens, each token a row: ``(..., n/c, c, 1, f)``."""
     x = in_chunks(x, c)
     return x[..., None, :]
-
-
-def _unchunk(x, n: int):
-    """``(..., n/c, c, f)`` back to ``(..., n, f)``."""
-    xp = array_namespace(x)
-    return xp.reshape(x, (*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
 
 
 def delta_recurrent_vjp(q, k, v, beta, g, s0, do, checkpoint: int):
@@ -149,7 +144,7 @@ def delta_recurrent_vjp(q, k, v, beta, g, s0, do, checkpoint: int):
 
     ds0, grads = scan(stretch, xp.zeros_like(s0), (qr, kr, vr, br, ar, dor, entering),
                       axis=-4, reverse=True)
-    dq, dk, dv, db, dg = (_unchunk(x[..., 0, :], n) for x in grads)
+    dq, dk, dv, db, dg = (unchunk(x[..., 0, :], n) for x in grads)
     return dq, dk, dv, db[..., 0], dg, ds0
 
 
@@ -229,5 +224,5 @@ def delta_chunked_vjp(q, k, v, beta, g, s0, do, chunk_size: int):
         axis=-3, reverse=True)
     # dg_l = sum of dG_t over t >= l in l's chunk (G_t = sum_(l <= t) g_l)
     dg = xp.flip(xp.cumulative_sum(xp.flip(dgg, axis=-2), axis=-2), axis=-2)
-    return (_unchunk(dq, n), _unchunk(dk, n), _unchunk(dv, n), _unchunk(db, n)[..., 0],
-            _unchunk(dg, n), ds0)
+    return (unchunk(dq, n), unchunk(dk, n), unchunk(dv, n), unchunk(db, n)[..., 0],
+            unchunk(dg, n), ds0)

@@ -25,25 +25,11 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
+from .chunks import in_chunks, unchunk
 from .scan import scan
 
 __all__ = ["decay_matrix", "sum_after", "within_chunks", "gla_recurrent", "gla_chunked",
-           "delta_recurrent", "delta_chunked", "in_chunks"]
-
-
-def in_chunks(x, c: int):
-    """``x (..., n, f)`` zero-padded to whole chunks, as ``(..., n/c, c, f)``."""
-    xp = array_namespace(x)
-    pad = -x.shape[-2] % c
-    x = xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype,
-                               device=device(x))], axis=-2)
-    return xp.reshape(x, (*x.shape[:-2], x.shape[-2] // c, c, x.shape[-1]))
-
-
-def _unchunk(x, n: int):
-    """``(..., n/c, c, f)`` back to ``(..., n, f)``, the padding dropped."""
-    xp = array_namespace(x)
-    return xp.reshape(x, (*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
+           "delta_recurrent", "delta_chunked"]
 
 
 def decay_matrix(g):
@@ -138,7 +124,7 @@ def gla_chunked(q, k, v, g, s0, chunk_size: int):
         return xp.matrix_transpose(into_i[..., -1:, :]) * s + upd_i, out
 
     s, out = scan(chunk, s0, (within, qc, into, upd), axis=-3)
-    return _unchunk(out, n), s
+    return unchunk(out, n), s
 
 
 def delta_recurrent(q, k, v, beta, g, s0):
@@ -179,4 +165,4 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
         return into_i[..., -1:, :] * s + xp.matrix_transpose(k_i * to_end_i) @ u, out
 
     s, out = scan(chunk, s0, (t, qc, kc, vc, qk, into, to_end), axis=-3)
-    return _unchunk(out, n), s
+    return unchunk(out, n), s

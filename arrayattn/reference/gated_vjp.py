@@ -95,7 +95,8 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-from .gated import decay_matrix, in_chunks, sum_after
+from .chunks import in_chunks
+from .gated import decay_matrix, sum_after
 from .scan import scan
 
 __all__ = ["gla_recurrent_vjp", "gla_chunked_vjp", "within_chunks_vjp"]

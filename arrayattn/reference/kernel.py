@@ -17,6 +17,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .masks import masked_softmax, zero_masked_keys
+from .chunks import in_chunks, unchunk
 from .scan import scan
 
 __all__ = ["kernel_attention", "kernel_recurrent", "kernel_cumsum", "kernel_chunked",
@@ -59,12 +60,7 @@ def kernel_chunked(phi_q, phi_k, v1, sz0, chunk_size: int):
     xp = array_namespace(phi_q, phi_k, v1)
     n = phi_q.shape[-2]
     c = min(chunk_size, n)
-    nc, pad = -(-n // c), -n % c
-    # zero rows at the end: a zero key adds nothing, the padded queries are dropped
-    padded = (phi_q, phi_k, v1) if not pad else (
-        xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype,
-                               device=device(x))], axis=-2) for x in (phi_q, phi_k, v1))
-    qc, kc, vc = (xp.reshape(x, (*x.shape[:-2], nc, c, x.shape[-1])) for x in padded)
+    qc, kc, vc = (in_chunks(x, c) for x in (phi_q, phi_k, v1))
     kv = xp.matrix_transpose(kc) @ vc                                # (..., nc, m, dv+1)
     prefix = xp.cumulative_sum(kv, axis=-3, include_initial=True)   # states before chunks
     before = prefix[..., :-1, :, :]
@@ -72,7 +68,7 @@ def kernel_chunked(phi_q, phi_k, v1, sz0, chunk_size: int):
     past = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(phi_q)))
     within = xp.where(past, qc @ xp.matrix_transpose(kc), 0.0) @ vc
     num = qc @ before + within
-    num = xp.reshape(num, (*num.shape[:-3], nc * c, num.shape[-1]))[..., :n, :]
+    num = unchunk(num, n)
     return num, prefix[..., -1, :, :] if sz0 is None else sz0 + prefix[..., -1, :, :]
 
 

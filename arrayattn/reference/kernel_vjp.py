@@ -83,6 +83,7 @@ import math
 from array_api_compat import array_namespace, device
 
 from .exact_vjp import sum_to_shape
+from .chunks import in_chunks, unchunk
 from .masks import masked_softmax, zero_masked_keys
 
 __all__ = ["kernel_attention_vjp", "elu_plus_one_vjp", "relu_vjp", "cosine_features_vjp",
@@ -131,9 +132,7 @@ def _causal_chunked_vjp(phi_q, phi_k, v1, do, sz0, chunk_size: int, eps: float,
     xp = array_namespace(phi_q, phi_k, v1, do)
     n = phi_q.shape[-2]
     c = min(chunk_size, n)
-    nc, pad = -(-n // c), -n % c
-    qc, kc, vc, dc = (xp.reshape(_pad_rows(x, pad), (*x.shape[:-2], nc, c, x.shape[-1]))
-                      for x in (phi_q, phi_k, v1, do))
+    qc, kc, vc, dc = (in_chunks(x, c) for x in (phi_q, phi_k, v1, do))
     past = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(phi_q)))
     # forward, recomputed: B_b = S0 + sum_{b' < b} phi_K_b'^T V1_b', A = tril(phi_Q phi_K^T)
     before = xp.cumulative_sum(_t(kc) @ vc, axis=-3, include_initial=True)[..., :-1, :, :]
@@ -149,8 +148,7 @@ def _causal_chunked_vjp(phi_q, phi_k, v1, do, sz0, chunk_size: int, eps: float,
     dk = vc @ _t(after) + _t(da) @ qc
     dv1 = kc @ after + _t(a) @ dn
     ds0 = xp.sum(dstate, axis=-3)
-    return tuple(xp.reshape(x, (*x.shape[:-3], nc * c, x.shape[-1]))[..., :n, :]
-                 for x in (dq, dk, dv1)) + (ds0,)
+    return tuple(unchunk(x, n) for x in (dq, dk, dv1)) + (ds0,)
 
 
 def kernel_attention_vjp(phi_q, phi_k, v, do, *, causal=False, key_mask=None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .kernel import guarded_divide, kernel_attention
+from .chunks import in_chunks, unchunk
 from .masks import zero_masked_keys
 from .scan import scan
 
@@ -55,18 +56,12 @@ def gated_chunked(phi_q, phi_k, v1, g, chunk_size: int):
     xp = array_namespace(phi_q, phi_k, v1, g)
     n = phi_q.shape[-2]
     c = min(chunk_size, n)
-    nc, pad = -(-n // c), -n % c
     tiny = xp.finfo(phi_q.dtype).smallest_normal          # g = 0: a restart, to rounding
     lg = xp.log(xp.maximum(g, tiny))
     w = 1 - g
     # padding at the end: zero features, log g = 0, weight 0; those outputs are dropped
-    qc, kc, vc = (xp.reshape(xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]),
-                                                      dtype=x.dtype, device=device(x))],
-                                       axis=-2), (*x.shape[:-2], nc, c, x.shape[-1]))
-                  for x in (phi_q, phi_k, v1))
-    lc, wc = (xp.reshape(xp.concat([x, xp.zeros((*x.shape[:-1], pad), dtype=x.dtype,
-                                                 device=device(x))], axis=-1),
-                         (*x.shape[:-1], nc, c)) for x in (lg, w))
+    qc, kc, vc = (in_chunks(x, c) for x in (phi_q, phi_k, v1))
+    lc, wc = (in_chunks(x[..., None], c)[..., 0] for x in (lg, w))
     strict = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(phi_q)), k=-1)
     seg = xp.cumulative_sum(xp.where(strict, lc[..., :, None], 0.0), axis=-2)   # E_tj
     # mask last: a NaN gate of a future key must not reach earlier rows through 0 * NaN
@@ -82,7 +77,7 @@ def gated_chunked(phi_q, phi_k, v1, g, chunk_size: int):
         return into_i[..., -1:, :] * state + upd_i, out
 
     out = scan(chunk, state0, (num, qc, into[..., None], upd), axis=-3)[1]
-    return xp.reshape(out, (*out.shape[:-3], nc * c, out.shape[-1]))[..., :n, :]
+    return unchunk(out, n)
 
 
 def gated_rfa(phi_q, phi_k, v, g, *, key_mask=None, method="chunked", chunk_size=64,

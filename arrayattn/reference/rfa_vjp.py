@@ -67,6 +67,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from .exact_vjp import sum_to_shape
+from .chunks import in_chunks, unchunk
 from .kernel_vjp import kernel_attention_vjp
 from .masks import zero_masked_keys
 from .rfa import random_fourier_features
@@ -105,15 +106,6 @@ def _division_cotangent(num, do, eps: float):
     inv = 1.0 / xp.where(ok, den, 1.0)
     dden = -xp.sum(do * (num[..., :-1] * inv), axis=-1, keepdims=True) * inv
     return xp.where(ok, xp.concat([do * inv, dden], axis=-1), 0.0)
-
-
-def _chunks(x, nc: int, c: int, pad: int):
-    """``(..., t, f) -> (..., nc, c, f)``, zero rows at the end."""
-    xp = array_namespace(x)
-    if pad:
-        x = xp.concat([x, xp.zeros((*x.shape[:-2], pad, x.shape[-1]), dtype=x.dtype,
-                                   device=device(x))], axis=-2)
-    return xp.reshape(x, (*x.shape[:-2], nc, c, x.shape[-1]))
 
 
 def _zero_state(x, scale):
@@ -167,11 +159,10 @@ def gated_rfa_vjp(phi_q, phi_k, v, g, do, *, key_mask=None, chunk_size=64, eps=0
     phi_k, v1, g, valid = _gated_inputs(phi_k, v, g, key_mask)
     n = phi_q.shape[-2]
     c = min(chunk_size, n)
-    nc, pad = -(-n // c), -n % c
     tiny = xp.finfo(phi_q.dtype).smallest_normal
     # the forward's chunk quantities: padding has zero features, log g = 0, weight 0
-    qc, kc, vc, dc = (_chunks(x, nc, c, pad) for x in (phi_q, phi_k, v1, do))
-    lc, wc = (_chunks(x[..., None], nc, c, pad)[..., 0]
+    qc, kc, vc, dc = (in_chunks(x, c) for x in (phi_q, phi_k, v1, do))
+    lc, wc = (in_chunks(x[..., None], c)[..., 0]
               for x in (xp.log(xp.maximum(g, tiny)), 1 - g))
     decay, gamma, last, into, alpha, before = _chunk_decays(lc, wc)
     upd = _t(kc * decay[..., -1, :, None]) @ vc                # (..., nc, m, dv + 1)
@@ -199,12 +190,9 @@ def gated_rfa_vjp(phi_q, phi_k, v, g, do, *, key_mask=None, chunk_size=64, eps=0
     dg = h - xp.sum(kc * uv, axis=-1)
     dk, dv1 = wc[..., None] * uv, wc[..., None] * pu
 
-    def unchunk(z):
-        return xp.reshape(z, (*z.shape[:-3], nc * c, z.shape[-1]))[..., :n, :]
-
-    dk, dv = zero_masked_keys(key_mask, unchunk(dk), unchunk(dv1)[..., :-1])
-    dg = xp.where(valid, xp.reshape(dg, (*dg.shape[:-2], nc * c))[..., :n], 0.0)
-    grads = {"phi_q": unchunk(dq), "phi_k": dk, "v": dv, "g": dg}
+    dk, dv = zero_masked_keys(key_mask, unchunk(dk, n), unchunk(dv1, n)[..., :-1])
+    dg = xp.where(valid, unchunk(dg[..., None], n)[..., 0], 0.0)
+    grads = {"phi_q": unchunk(dq, n), "phi_k": dk, "v": dv, "g": dg}
     return {name: sum_to_shape(z, shapes[name]) for name, z in grads.items()}
 
 
