@@ -9,7 +9,8 @@ from array_api_compat import array_namespace
 from .finite import drop_nonfinite, nonfinite_rows, poisoned_logits
 
 __all__ = ["causal_mask", "allowed_mask", "masked_softmax", "zero_masked_keys", "attend",
-           "softmax_lse", "log_total", "visible_rows", "partial_softmax", "merge_partials"]
+           "softmax_lse", "log_total", "visible_rows", "partial_softmax", "merge_partials",
+           "max_shift"]
 
 
 def causal_mask(xp, n: int, s: int, *, device, shift: int | None = None, row0: int = 0,
@@ -34,6 +35,13 @@ def allowed_mask(xp, n: int, s: int, *, device, causal: bool = False, key_mask=N
     return allowed
 
 
+def max_shift(m):
+    """The stabiliser subtracted before ``exp``: a row max ``m`` itself, and 0 for a row
+    with no entry (``m = -inf``: ``e^{-inf - 0} = 0``, where ``-inf - -inf`` is NaN)."""
+    xp = array_namespace(m)
+    return xp.where(m == -xp.inf, 0.0, m)
+
+
 def masked_softmax(scores, allowed=None, *, axis: int = -1):
     """``softmax(scores)`` along ``axis`` over the ``allowed`` entries, max-shifted.
 
@@ -44,7 +52,7 @@ def masked_softmax(scores, allowed=None, *, axis: int = -1):
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)
     m = xp.max(scores, axis=axis, keepdims=True)
-    m = xp.where(m == -xp.inf, 0.0, m)
+    m = max_shift(m)
     p = xp.exp(scores - m)
     total = xp.sum(p, axis=axis, keepdims=True)
     return p / xp.where(total > 0, total, 1.0)
@@ -71,7 +79,7 @@ def softmax_lse(x, allowed=None):
     if allowed is not None:
         x = xp.where(allowed, x, -xp.inf)
     m = xp.max(x, axis=-1, keepdims=True)
-    m = xp.where(m == -xp.inf, 0.0, m)
+    m = max_shift(m)
     e = xp.exp(x - m)
     total = xp.sum(e, axis=-1, keepdims=True)
     return e / xp.where(total > 0, total, 1.0), log_total(total, m)[..., 0]
@@ -85,7 +93,7 @@ def partial_softmax(x, allowed=None):
     if allowed is not None:
         x = xp.where(allowed, x, -xp.inf)
     m = xp.max(x, axis=-1, keepdims=True)
-    e = xp.exp(x - xp.where(m == -xp.inf, 0.0, m))
+    e = xp.exp(x - max_shift(m))
     return m, xp.sum(e, axis=-1, keepdims=True), e
 
 
@@ -101,7 +109,7 @@ def merge_partials(a, b):
     (ma, la, acc_a), (mb, lb, acc_b) = a, b
     xp = array_namespace(la, lb)
     m = xp.maximum(ma, mb)
-    shift = xp.where(m == -xp.inf, 0.0, m)
+    shift = max_shift(m)
     ca, cb = xp.exp(ma - shift), xp.exp(mb - shift)
     return m, la * ca + lb * cb, acc_a * ca + acc_b * cb
 

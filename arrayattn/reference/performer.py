@@ -25,6 +25,7 @@ import math
 
 from array_api_compat import array_namespace, device
 
+from .masks import max_shift
 from .kernel import kernel_attention
 
 __all__ = ["favor_rows", "performer_features", "performer_attention", "gerf_optimum"]
@@ -74,7 +75,7 @@ def performer_features(q, k, omega, *, kind, scale: float, causal=False, key_mas
     def key_max(e):         # the max of e over the unmasked keys (0 when there are none)
         e = e if keep is None else xp.where(keep, e, -xp.inf)
         top = xp.max(e, axis=-2, keepdims=True)
-        return xp.where(top == -xp.inf, 0.0, top)
+        return max_shift(top)
 
     if kind == "trig":      # exp(‖x̃‖²/2) [sin, cos]: the query factor cancels; causal
         phi_q = xp.sin(tq)  # keeps exp(‖k̃‖²/2) unshifted (no key max over the future)

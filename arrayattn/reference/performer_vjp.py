@@ -66,6 +66,7 @@ import math
 
 from array_api_compat import array_namespace
 
+from .masks import max_shift
 from .kernel_vjp import kernel_attention_vjp
 from .performer import favor_rows, performer_features
 
@@ -85,7 +86,7 @@ def _key_max(xp, e, keep):
     """The max of ``e`` over the unmasked keys (0 when there are none), as the forward."""
     e = e if keep is None else xp.where(keep, e, -xp.inf)
     top = xp.max(e, axis=-2, keepdims=True)
-    return xp.where(top == -xp.inf, 0.0, top)
+    return max_shift(top)
 
 
 def performer_features_vjp(q, k, omega, phi_q, phi_k, dphi_q, dphi_k, *, kind,
