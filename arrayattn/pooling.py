@@ -203,7 +203,7 @@ def checked_pooling(q, k, v, *, window=128, pool_window=512, pool_size=4, pool_s
                 for x in (k2, v2))
     level = dict(p=p, key_mask=key_mask, q2=wq2, k2=wk2, v2=wv2, scale=check_scale(scale, p.d),
                  scale2=check_scale(scale, p2.d), pool=pool, causal=causal)
-    if p.s == 0:
+    if p.empty:                  # no query, key or head: no layout (the output is zeros)
         return PoolingCall(pm=None, **level)
     start, end = pooled_spans(p.s, kappa, zeta)
     lay2 = BlockLayout(n=p.n, s=start.size, block_size=b,

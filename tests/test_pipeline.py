@@ -202,3 +202,16 @@ def test_only_the_pipeline_chooses_an_implementation():
             if lock.search(code) and not rel.startswith("_numpy/"):
                 wrong.append(f"{rel}:{number}: names LOCK: {line.strip()}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("name", [rec.name for rec in arrayattn.variants() if rec.cross])
+def test_no_query_gives_an_empty_output_for_every_variant(name):
+    """``n = 0`` queries with keys (the pipeline's empty problem): an empty output of the
+    right shape, and empty or zero gradients -- local and Poolingformer built a layout of
+    no query and raised."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 0, 8))
+    k, v = (rng.standard_normal((1, 2, 72, 8)) for _ in range(2))
+    assert arrayattn.get_variant(name)(q, k, v).shape == (1, 2, 0, 8)
+    grads = arrayattn.vjp(name, q, k, v, np.ones((1, 2, 0, 8)))
+    assert grads["q"].shape == q.shape and not np.any(grads["k"]) and not np.any(grads["v"])

@@ -33,7 +33,7 @@ def performer_attention_vjp(q, k, v, do, /, *, features=None, num_features=None,
     args = {"q": q, "k": k, "v": v}
     if kind == "favor++" and gerf_a is not None and hasattr(gerf_a, "shape"):
         args["gerf_a"] = gerf_a
-    if p.s == 0:
+    if p.empty:                    # (FAVOR++'s A* of no query would be NaN)
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
     wq, wk, wv, wdo = (xp.astype(x, wd, copy=False) for x in (q, k, v, do))

@@ -68,7 +68,7 @@ def pooling_attention_vjp(q, k, v, do, /, *, window=128, pool_window=512, pool_s
                         causal=causal, key_mask=key_mask, block_size=block_size)
     p, xp, dev, km = c.p, c.p.xp, c.p.device, c.key_mask
     args = {"q": q, "k": k, "v": v, "q2": q2, "k2": k2, "v2": v2}
-    if p.s == 0:
+    if p.empty:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=dev)
                 for name, x in args.items() if x is not None}
     w = working(p, q, k, v, km)

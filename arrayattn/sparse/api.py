@@ -8,8 +8,8 @@ from functools import partial
 from typing import Any
 
 from .. import reference
-from .._validate import (Problem, check_bias, check_flag, check_key_mask, check_qkv,
-                         check_scale)
+from .._validate import (Problem, check_band, check_bias, check_flag, check_key_mask,
+                         check_qkv, check_scale)
 from .._validate_sparse import check_layout
 from ..pipeline import Spec, Working, run
 from .executor import block_sparse_attention, plan_work
@@ -160,11 +160,12 @@ def checked_sparse(q, k, v, *, layout, scale=None, causal=False, key_mask=None,
 def checked_local(q, k, v, *, window, causal=False, block_size=64, scale=None,
                   key_mask=None, bias=None) -> SparseCall:
     """Validate a :func:`local_attention` call once and build its band layout (none
-    when there is no key)."""
+    when there is no query, key or head)."""
     p = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
-    layout = None if p.s == 0 else local_layout(p.n, s=p.s, window=window,
-                                                 block_size=block_size, causal=causal)
+    check_band("window", window)
+    layout = None if p.empty else local_layout(p.n, s=p.s, window=window,
+                                               block_size=block_size, causal=causal)
     return _checked_rest(p, q, layout, scale=scale, causal=causal, key_mask=key_mask,
                          bias=bias)
 
