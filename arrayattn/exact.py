@@ -17,12 +17,11 @@ from dataclasses import replace
 from . import reference
 from ._heads import grouped_query_heads
 from ._numpy import exact as engine
-from ._validate import Problem
 # the call record and its checks (kept importable from here: the backward and paged use them)
 from ._validate_options import Call, checked_call
-from .pipeline import Spec, Working, run, working
+from .pipeline import Spec, Working, run
 
-__all__ = ["softmax_attention", "Call", "checked_call", "SPEC", "working_qkv"]
+__all__ = ["softmax_attention", "Call", "checked_call", "SPEC", "engine_takes"]
 
 
 @grouped_query_heads
@@ -165,15 +164,22 @@ def _engine(call: Call, w: Working):
     return engine.dense(w.q, w.k, w.v, **opts)
 
 
+def engine_takes(call: Call, w: Working) -> bool:
+    """Whether the NumPy engine takes a checked call (forward or backward): logits with
+    scale, causal and masks only -- no bias, dropout or ``lse`` -- and no key taken out for
+    holding a non-finite value (the engine has no NaN rows; asked on NumPy only, so
+    ``any`` syncs no device)."""
+    lg = call.logits
+    return (lg.plain and lg.bias is None and call.dropout is None and not call.return_lse
+            and not call.p.xp.any(w.bad))
+
+
 def _work(call: Call, w: Working):
     """The engine's largest temporary (a query block's scores), or ``None`` where the
-    engine does not take the call: options beyond scale/causal/masks, or a key taken out
-    for holding a non-finite value (the engine has no NaN rows)."""
-    lg, p = call.logits, call.p
-    if not lg.plain or lg.bias is not None or call.dropout is not None or call.return_lse:
+    engine does not take the call (:func:`engine_takes`)."""
+    if not engine_takes(call, w):
         return None
-    if p.xp.any(w.bad):      # NumPy only (the engine runs on NumPy): no device sync
-        return None
+    p = call.p
     tile = p.n * (min(call.block_size, p.s) if call.block_size else p.s)
     return tile * math.prod(p.batch) * 4
 
@@ -184,13 +190,6 @@ def _empty(call: Call):
         return p.zeros()
     lse = p.xp.full((*p.batch, p.n), -p.xp.inf, dtype=p.work_dtype, device=p.device)
     return p.zeros(), lse
-
-
-def working_qkv(p: Problem, q, k, v, key_mask):
-    """``(q, k, v, bad)`` in the working dtype: the rows of masked keys zeroed, and the
-    rows of keys whose key or value is not finite zeroed and marked in ``bad (..., s)``
-    (they make NaN exactly the rows that see them, :mod:`arrayattn.reference.finite`)."""
-    return working(p, q, k, v, key_mask, poison=True)
 
 
 #: The pipeline of :func:`softmax_attention` (and of :func:`~arrayattn.paged_attention`).

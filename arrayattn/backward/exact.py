@@ -7,8 +7,8 @@ from dataclasses import replace
 from .. import reference
 from .._engine import entry
 from .._numpy import exact_vjp as engine
-from ..exact import checked_call, working_qkv
-from ..pipeline import Spec, Working, implementation
+from ..exact import checked_call, engine_takes
+from ..pipeline import Spec, Working, implementation, working
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["softmax_attention_vjp", "VJP_SPEC"]
@@ -29,7 +29,7 @@ def softmax_attention_vjp(q, k, v, do, /, *, return_lse=False, **options):
     if p.s == 0:
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
-    w = Working(*working_qkv(p, q, k, v, lg.key_mask))
+    w = working(p, q, k, v, lg.key_mask, poison=True)
     call = replace(call, logits=replace(lg, poison=w.bad))
     wdo = xp.astype(do, p.work_dtype, copy=False)
     with entry(xp):
@@ -53,14 +53,9 @@ def _engine(call, w: Working, do) -> dict:
 
 def _work(call, w: Working):
     """The engine's scores ``n s`` in float32 bytes, or ``None`` where it does not take
-    the call: options beyond scale/causal/masks, or a key taken out for holding a
-    non-finite value."""
-    lg, p = call.logits, call.p
-    if not lg.plain or lg.bias is not None or call.dropout is not None:
-        return None
-    if p.xp.any(w.bad):      # NumPy only (the engine runs on NumPy): no device sync
-        return None
-    return p.n * p.s * 4
+    the call (:func:`arrayattn.exact.engine_takes`)."""
+    p = call.p
+    return p.n * p.s * 4 if engine_takes(call, w) else None
 
 
 #: The backward of :func:`~arrayattn.softmax_attention`, as the pipeline chooses it
