@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,6 +179,26 @@ class _Compiled:
             self.calls[rec.name] = self.be.compile(lambda q, k, v: rec(q, k, v))
         return self.calls[rec.name]
 
+    def ahead(self, recs, inputs, workers: int = 2):
+        """Compile every variant of ``recs`` for every input triple of ``inputs`` before
+        anything is timed, ``workers`` programs at a time (XLA compiles outside Python's
+        lock, so one program traces while another compiles); the timed calls then find
+        them in ``jax.jit``'s cache.  A variant that fails here fails again in its row,
+        where the error is reported."""
+        if not _compiles(self.be):
+            return
+        jobs = [(self(rec), args) for rec in recs for args in inputs]
+
+        def compile_one(job):
+            call, args = job
+            try:
+                call.lower(*args).compile()
+            except Exception:  # reported by the row's own call
+                pass
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(compile_one, jobs))
+
 
 def _implied_matrix(be, call, hq, hk, v_shape, dtype):
     """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``.
@@ -285,6 +306,12 @@ class Progress:
             self.stream.write(line + "\n")
         self.stream.flush()
 
+    def note(self, text: str):
+        """One line of its own (before the bar starts)."""
+        if self.enabled:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
 
 def _select(names):
     if names is None:
@@ -326,9 +353,14 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
     recs = _select(names)
     prog = progress or Progress(len(CASES) * len(recs), enabled=False)
     compiled = _Compiled(be)
+    hosts = {case: [_round(x, w.dtype) for x in make_inputs(w, case)] for case in CASES}
+    shapes = {tuple(x.shape for x in host): host for host in hosts.values()}
+    if _compiles(be):
+        prog.note(f"compiling {len(recs)} variant(s) x {len(shapes)} input shape(s) first")
+    compiled.ahead(recs, [[be.asarray(x, w.dtype) for x in host] for host in shapes.values()])
     rows = []
     for case in CASES:
-        host = [_round(x, w.dtype) for x in make_inputs(w, case)]
+        host = hosts[case]
         ref = reference(*host)
         q, k, v = (be.asarray(x, w.dtype) for x in host)
         # compiled (JAX): ones of v's shape, the program already compiled (the row sums

@@ -329,3 +329,44 @@ def test_compiled_implied_matrix_is_the_first_heads(name):
     got = _implied_matrix(be, _Compiled(be)(rec), hq, hk, v_shape, "float32")
     assert got.shape == want.shape == (1, 1, 40, 40)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_compiled_ahead_once_per_shape():
+    """On JAX the report compiles every variant for each input shape before the timing
+    (two at a time): afterwards the calls of every case find their program in
+    ``jax.jit``'s cache, one program per shape, and a variant that fails to trace is
+    left to fail in its own row."""
+    jax = pytest.importorskip("jax")
+    from arrayattn._backends import get_array_backend
+    from arrayattn.report import _Compiled
+
+    be = get_array_backend("jax", "float32")
+    compiled = _Compiled(be)
+    good = [arrayattn.get_variant(n) for n in ("softmax", "retention", "local")]
+
+    def broken(q, k, v):
+        raise ValueError("cannot trace")
+
+    recs = [*good, Variant(name="broken", fn=broken, family="test", exact=False,
+                           causal=False, key_mask=False, complexity="-", citation="-")]
+    rng = np.random.default_rng(0)
+    inputs = [[be.asarray(rng.standard_normal(sh), "float32") for _ in range(3)]
+              for sh in ((1, 2, 32, 8), (1, 3, 16, 4))]
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        compiled.ahead(recs, inputs)
+        assert len(compiles) == len(good) * len(inputs)
+        for rec in good:
+            for args in inputs:
+                jax.block_until_ready(compiled(rec)(*args))
+        assert len(compiles) == len(good) * len(inputs)      # the calls compiled nothing
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    with pytest.raises(ValueError, match="cannot trace"):
+        compiled(recs[-1])(*inputs[0])
