@@ -29,7 +29,7 @@ from .chunks import in_chunks, unchunk
 from .scan import scan
 
 __all__ = ["decay_matrix", "sum_after", "within_chunks", "gla_recurrent", "gla_chunked",
-           "delta_recurrent", "delta_chunked"]
+           "unit_lower_inverse", "delta_recurrent", "delta_chunked"]
 
 
 def decay_matrix(g):
@@ -141,6 +141,22 @@ def delta_recurrent(q, k, v, beta, g, s0):
     return out, s
 
 
+def unit_lower_inverse(a):
+    """``(I + A)^(-1)`` of a strictly lower triangular ``A (..., c, c)``, by forward
+    substitution one row at a time (fla's UT transform): with the rows ``< i`` of
+    ``T = (I + A)^(-1)`` known, ``T_i = e_i - A_i T``.  A unit triangular matrix needs no
+    pivoting; ``linalg.solve`` would lower to a pivoted LU and a permutation loop under
+    ``jax.jit``, this to one loop over the ``c`` rows."""
+    xp = array_namespace(a)
+    eye = xp.eye(a.shape[-1], dtype=a.dtype, device=device(a))
+
+    def row(t, a_i, e_i):                     # rows >= i of t are still 0
+        return t + e_i[:, None] * (e_i - _row_times(a_i, t))[..., None, :], None
+
+    t, _ = scan(row, xp.zeros_like(a), (a, eye), axis=-2)
+    return t
+
+
 def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     """The delta rule by chunks (Yang et al. 2024's WY/UT form, with gates): inside a
     chunk with decays ``Gam = D_tj`` the updates are ``U = T (V - diag(exp G) K S_0)``,
@@ -154,7 +170,7 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     gam = decay_matrix(gc)[..., 0]                                  # (..., nc, c, c)
     eye = xp.eye(c, dtype=q.dtype, device=device(q))
     strict = (kc @ xp.matrix_transpose(kc)) * gam * (1.0 - eye)
-    t = xp.linalg.solve(eye + bc * strict, eye * xp.matrix_transpose(bc))
+    t = unit_lower_inverse(bc * strict) * xp.matrix_transpose(bc)
     qk = (qc @ xp.matrix_transpose(kc)) * gam
     into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # (..., nc, c, 1)
     to_end = xp.matrix_transpose(gam[..., -1:, :])                  # (..., nc, c, 1)
