@@ -77,27 +77,37 @@ def sum_after(g):
 
 
 def within_chunks(q, k, v, g):
-    """``sum_(j <= t) (q_t * exp(sum_(j < l <= t) g_l)) . k_j v_j`` inside chunks ``(..., c,
-    .)`` of ``c = 2^L`` tokens with per-dimension gates, by halving: each pair ``j < t``
-    is split at exactly one level into a left half (``j``) and a right half (``t``) that
-    meet at the pivot ``p``, the left half's last token, where the decay factors as
-    ``exp(sum_(p < l <= t) g) exp(sum_(j < l <= p) g)``, both ``<= 1`` and each a sum
-    inside its own half; one matmul per level covers all such pairs."""
+    """``(W, G, A)`` inside chunks ``(..., c, .)`` of ``c = 2^L`` tokens with per-dimension
+    gates: ``W_t = sum_(j <= t) (q_t * exp(sum_(j < l <= t) g_l)) . k_j v_j``, and the log
+    decays ``G_t = sum_(l <= t) g_l`` (chunk start -> ``t``) and ``A_j = sum_(l > j) g_l``
+    (``j`` -> chunk end).  By halving: each pair ``j < t`` is split at exactly one level
+    into a left half (``j``) and a right half (``t``) that meet at the pivot ``p``, the
+    left half's last token, where the decay factors as ``exp(sum_(p < l <= t) g)
+    exp(sum_(j < l <= p) g)``, both ``<= 1`` and each a sum inside its own half; one
+    matmul per level covers all such pairs.  The sums inside blocks of ``h`` tokens are
+    built from those of ``h / 2`` by adding a neighbour block's total (no cumulative sum:
+    under ``jax.jit`` each is a tree of reduce-windows, and the compile time with it)."""
     xp = array_namespace(q, k, v, g)
     c = q.shape[-2]
     out = xp.sum(q * k, axis=-1, keepdims=True) * v                  # j = t: no decay
-    h = c // 2
-    while h >= 1:
-        qs, ks, vs, gs = (xp.reshape(x, (*x.shape[:-2], c // (2 * h), 2, h, x.shape[-1]))
-                          for x in (q, k, v, g))
-        g_left, g_right = gs[..., 0, :, :], gs[..., 1, :, :]
-        to_t = xp.exp(xp.cumulative_sum(g_right, axis=-2))                   # p -> t
-        to_p = xp.exp(sum_after(g_left))                                     # j -> p
+    up, after = g, xp.zeros_like(g)      # blocks of h = 1: sum_(b <= l <= t), sum_(j < l <= e)
+    h = 1
+    while h < c:
+        qs, ks, vs, ups, afters = (xp.reshape(x, (*x.shape[:-2], c // (2 * h), 2, h,
+                                                  x.shape[-1])) for x in (q, k, v, up, after))
+        to_t = xp.exp(ups[..., 1, :, :])                                     # p -> t
+        to_p = xp.exp(afters[..., 0, :, :])                                  # j -> p
         a = (qs[..., 1, :, :] * to_t) @ xp.matrix_transpose(ks[..., 0, :, :] * to_p)
         add = a @ vs[..., 0, :, :]
         out = out + xp.reshape(xp.stack([xp.zeros_like(add), add], axis=-3), out.shape)
-        h //= 2
-    return out
+        # blocks of 2h: the right half's sums gain the left half's total, and vice versa
+        left_total, right_total = ups[..., 0, -1:, :], ups[..., 1, -1:, :]
+        up = xp.reshape(xp.stack([ups[..., 0, :, :], ups[..., 1, :, :] + left_total],
+                                 axis=-3), g.shape)
+        after = xp.reshape(xp.stack([afters[..., 0, :, :] + right_total,
+                                     afters[..., 1, :, :]], axis=-3), g.shape)
+        h *= 2
+    return out, up, after
 
 
 def gla_chunked(q, k, v, g, s0, chunk_size: int):
@@ -113,11 +123,16 @@ def gla_chunked(q, k, v, g, s0, chunk_size: int):
     c = 2 ** (c - 1).bit_length() if per_dim else c
     qc, kc, vc, gc = (in_chunks(x, c) for x in (q, k, v, g))
     if per_dim:
-        within = within_chunks(qc, kc, vc, gc)
+        within, up, after = within_chunks(qc, kc, vc, gc)
+        into, to_end = xp.exp(up), xp.exp(after)
     else:
-        within = ((qc @ xp.matrix_transpose(kc)) * decay_matrix(gc)[..., 0]) @ vc
-    into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # state -> query t
-    upd = xp.matrix_transpose(kc * xp.exp(sum_after(gc))) @ vc      # keys -> chunk end
+        d = decay_matrix(gc)[..., 0]
+        within = ((qc @ xp.matrix_transpose(kc)) * d) @ vc
+        # the state -> t is the first key's gate then D's first column (two factors <= 1),
+        # a key -> the chunk end D's last row: no cumulative sum beside D's
+        into = xp.exp(gc[..., :1, :]) * d[..., :, :1]
+        to_end = xp.matrix_transpose(d[..., -1:, :])
+    upd = xp.matrix_transpose(kc * to_end) @ vc                     # keys -> chunk end
 
     def chunk(s, within_i, q_i, into_i, upd_i):
         out = within_i + (q_i * into_i) @ s
@@ -172,7 +187,7 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     strict = (kc @ xp.matrix_transpose(kc)) * gam * (1.0 - eye)
     t = unit_lower_inverse(bc * strict) * xp.matrix_transpose(bc)
     qk = (qc @ xp.matrix_transpose(kc)) * gam
-    into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # (..., nc, c, 1)
+    into = xp.exp(gc[..., :1, :]) * gam[..., :, :1]                 # as in gla_chunked
     to_end = xp.matrix_transpose(gam[..., -1:, :])                  # (..., nc, c, 1)
 
     def chunk(s, t_i, q_i, k_i, v_i, qk_i, into_i, to_end_i):
