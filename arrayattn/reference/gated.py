@@ -137,12 +137,11 @@ def gla_chunked(q, k, v, g, s0, chunk_size: int):
         to_end = xp.matrix_transpose(d[..., -1:, :])
     upd = xp.matrix_transpose(kc * to_end) @ vc                     # keys -> chunk end
 
-    def chunk(s, within_i, q_i, into_i, upd_i):
-        out = within_i + (q_i * into_i) @ s
-        return xp.matrix_transpose(into_i[..., -1:, :]) * s + upd_i, out
+    def chunk(s, q_i, into_i, upd_i):
+        return xp.matrix_transpose(into_i[..., -1:, :]) * s + upd_i, (q_i * into_i) @ s
 
-    s, out = scan(chunk, s0, (within, qc, into, upd), axis=-3)
-    return unchunk(out, n), s
+    s, across = scan(chunk, s0, (qc, into, upd), axis=-3)
+    return unchunk(within + across, n), s
 
 
 def delta_recurrent(q, k, v, beta, g, s0):
@@ -168,16 +167,18 @@ def unit_lower_inverse(a):
     xp = array_namespace(a)
     eye = xp.eye(a.shape[-1], dtype=a.dtype, device=device(a))
 
-    def row(t, a_i, e_i):                     # rows >= i of t are still 0
-        return t + e_i[:, None] * (e_i - _row_times(a_i, t))[..., None, :], None
+    def row(t, i):                            # rows >= i of t are still 0
+        e_i = eye[i, :]
+        return t + e_i[:, None] * (e_i - _row_times(a[..., i, :], t))[..., None, :], None
 
-    t, _ = scan(row, xp.zeros_like(a), (a, eye), axis=-2)
+    t, _ = scan(row, xp.zeros_like(a), (range(a.shape[-1]),), axis=0)
     return t
 
 
 def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     """The delta rule by chunks (Yang et al. 2024's WY/UT form, with gates): inside a
-    chunk with decays ``Gam = D_tj`` the updates are ``U = T (V - diag(exp G) K S_0)``,
+    chunk with decays ``Gam = D_tj`` the updates are ``U = T (V - diag(exp G) K S_0) =
+    u - w S_0`` with ``u = T V``, ``w = T diag(exp G) K`` (fla's ``u`` and ``w``),
     ``T = (I + diag(beta) strict_tril(K K^T) * Gam)^(-1) diag(beta)``; then
     ``O = diag(exp G) Q S_0 + (tril(Q K^T) * Gam) U`` and
     ``S_c = exp(G_c) S_0 + (K * Gam_c)^T U``: ``(O, S_n)``."""
@@ -192,11 +193,12 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     qk = (qc @ xp.matrix_transpose(kc)) * gam
     into = xp.exp(gc[..., :1, :]) * gam[..., :, :1]                 # as in gla_chunked
     to_end = xp.matrix_transpose(gam[..., -1:, :])                  # (..., nc, c, 1)
+    u, w = t @ vc, t @ (kc * into)
 
-    def chunk(s, t_i, q_i, k_i, v_i, qk_i, into_i, to_end_i):
-        u = t_i @ (v_i - (k_i * into_i) @ s)
-        out = (q_i * into_i) @ s + qk_i @ u
-        return into_i[..., -1:, :] * s + xp.matrix_transpose(k_i * to_end_i) @ u, out
+    def chunk(s, q_i, k_i, u_i, w_i, qk_i, into_i):
+        u_i = u_i - w_i @ s                                         # U
+        out = (q_i * into_i) @ s + qk_i @ u_i
+        return into_i[..., -1:, :] * s + xp.matrix_transpose(k_i) @ u_i, out
 
-    s, out = scan(chunk, s0, (t, qc, kc, vc, qk, into, to_end), axis=-3)
+    s, out = scan(chunk, s0, (qc, kc * to_end, u, w, qk, into), axis=-3)
     return unchunk(out, n), s
