@@ -27,15 +27,13 @@ __all__ = ["nonfinite_rows", "drop_nonfinite", "seen_by_prefix", "poison_rows",
 
 def nonfinite_rows(*arrays):
     """``(..., s)`` bool: token ``j`` holds a NaN or an infinity in any of ``arrays``
-    (each ``(..., s, c)``; the results broadcast).  ``0 * x`` is 0 where ``x`` is finite
-    and NaN where not, so one float sum per row says it (a boolean ``all`` compiles to
-    two kernels under ``jax.jit``, a float sum to one)."""
+    (each ``(..., s, c)``; the results broadcast)."""
     xp = array_namespace(*arrays)
-    total = None
+    bad = None
     for x in arrays:
-        row = xp.sum(x * 0.0, axis=-1)
-        total = row if total is None else total + row
-    return xp.isnan(total)
+        row = ~xp.all(xp.isfinite(x), axis=-1)
+        bad = row if bad is None else (bad | row)
+    return bad
 
 
 def drop_nonfinite(bad, *arrays):
