@@ -87,7 +87,7 @@ import functools
 from array_api_compat import array_namespace, device
 
 from .chunks import in_chunks, unchunk
-from .gated import decay_matrix
+from .gated import decay_matrix, unit_lower_inverse
 from .scan import scan
 
 __all__ = ["delta_recurrent_vjp", "delta_chunked_vjp"]
@@ -159,10 +159,7 @@ def _chunk_constants(k, beta, g, c: int):
     e = xp.matrix_transpose(gam[..., -1:, :])                       # (..., nc, c, 1)
     strict = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(k)), k=-1)
     a = xp.where(strict, (kc @ xp.matrix_transpose(kc)) * gam, 0.0)
-    eye = xp.eye(c, dtype=k.dtype, device=device(k))
-    lower = eye + bc * a
-    linv = xp.linalg.solve(lower, xp.zeros_like(lower) + eye)
-    return gam, gamma, e, a, linv
+    return gam, gamma, e, a, unit_lower_inverse(bc * a)
 
 
 def _chunk_back(ds, q_i, k_i, v_i, b_i, gam_i, gamma_i, e_i, a_i, linv_i, do_i, s_i, *,

@@ -46,14 +46,14 @@ def drop_nonfinite(bad, *arrays):
 
 def seen_by_prefix(bad, n: int):
     """``(..., n)`` bool: query ``i`` sees a bad key under end-aligned causal masking
-    (``j <= i + s - n``, ``s = bad.shape[-1]``)."""
+    (``j <= i + s - n``, ``s = bad.shape[-1]``): the first bad key is one it sees."""
     xp = array_namespace(bad)
     s = bad.shape[-1]
-    upto = xp.cumulative_sum(xp.astype(bad, xp.int32), axis=-1) > 0     # any bad j <= t
-    if n <= s:
-        return upto[..., s - n:]
-    early = xp.zeros((*bad.shape[:-1], n - s), dtype=xp.bool, device=device(bad))
-    return xp.concat([early, upto], axis=-1)                  # the first n - s see no key
+    if s == 0:
+        return xp.zeros((*bad.shape[:-1], n), dtype=xp.bool, device=device(bad))
+    first = xp.min(xp.where(bad, xp.arange(s, device=device(bad)), s), axis=-1,
+                   keepdims=True)                     # s where none (one reduction)
+    return first <= xp.arange(n, device=device(bad)) + (s - n)
 
 
 def poison_rows(out, seen):

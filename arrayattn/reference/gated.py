@@ -29,7 +29,7 @@ from .chunks import in_chunks, unchunk
 from .scan import scan
 
 __all__ = ["decay_matrix", "sum_after", "within_chunks", "gla_recurrent", "gla_chunked",
-           "delta_recurrent", "delta_chunked"]
+           "unit_lower_inverse", "delta_recurrent", "delta_chunked"]
 
 
 def decay_matrix(g):
@@ -77,27 +77,40 @@ def sum_after(g):
 
 
 def within_chunks(q, k, v, g):
-    """``sum_(j <= t) (q_t * exp(sum_(j < l <= t) g_l)) . k_j v_j`` inside chunks ``(..., c,
-    .)`` of ``c = 2^L`` tokens with per-dimension gates, by halving: each pair ``j < t``
-    is split at exactly one level into a left half (``j``) and a right half (``t``) that
+    """``(W, G, A)`` inside chunks ``(..., c, .)`` of ``c = 2^L`` tokens with per-dimension
+    gates: ``W_t = sum_(j <= t) (q_t * exp(sum_(j < l <= t) g_l)) . k_j v_j``, and the log
+    decays ``G_t = sum_(l <= t) g_l`` (chunk start -> ``t``) and ``A_j = sum_(l > j) g_l``
+    (``j`` -> chunk end).  By halving: each pair ``j < t`` is split at exactly one level
+    into a left half (``j``) and a right half (``t``) of a block of ``2h`` tokens that
     meet at the pivot ``p``, the left half's last token, where the decay factors as
     ``exp(sum_(p < l <= t) g) exp(sum_(j < l <= p) g)``, both ``<= 1`` and each a sum
-    inside its own half; one matmul per level covers all such pairs."""
+    inside its own half; one matmul per level covers the block's pairs, masked to those
+    split there.  The sums inside the halves are built from those of the level below by
+    adding the neighbour half's total (no cumulative sum: under ``jax.jit`` each is a tree
+    of reduce-windows, and whole blocks compile to fewer kernels than their quadrants)."""
     xp = array_namespace(q, k, v, g)
     c = q.shape[-2]
     out = xp.sum(q * k, axis=-1, keepdims=True) * v                  # j = t: no decay
-    h = c // 2
-    while h >= 1:
-        qs, ks, vs, gs = (xp.reshape(x, (*x.shape[:-2], c // (2 * h), 2, h, x.shape[-1]))
-                          for x in (q, k, v, g))
-        g_left, g_right = gs[..., 0, :, :], gs[..., 1, :, :]
-        to_t = xp.exp(xp.cumulative_sum(g_right, axis=-2))                   # p -> t
-        to_p = xp.exp(sum_after(g_left))                                     # j -> p
-        a = (qs[..., 1, :, :] * to_t) @ xp.matrix_transpose(ks[..., 0, :, :] * to_p)
-        add = a @ vs[..., 0, :, :]
-        out = out + xp.reshape(xp.stack([xp.zeros_like(add), add], axis=-3), out.shape)
-        h //= 2
-    return out
+    up, after = g, xp.zeros_like(g)      # h = 1: sum_(b <= l <= t) g, sum_(j < l <= e) g
+    h = 1
+    while h < c:
+        qb, kb, vb, ub, ab = (xp.reshape(x, (*x.shape[:-2], c // (2 * h), 2 * h,
+                                             x.shape[-1])) for x in (q, k, v, up, after))
+        a = (qb * xp.exp(ub)) @ xp.matrix_transpose(kb * xp.exp(ab))       # p->t, j->p
+        i = xp.arange(2 * h, device=device(q))
+        split_here = (i[:, None] >= h) & (i[None, :] < h)          # t right, j left
+        out = out + xp.reshape(xp.where(split_here, a, 0.0) @ vb, out.shape)
+        # halves of h -> blocks of 2h: the right half's sums gain the left half's total
+        # (its last up), the left half's the right half's
+        halves = (*g.shape[:-2], c // (2 * h), 2, h, g.shape[-1])
+        total = xp.reshape(up, halves)[..., -1:, :]
+        zero = xp.zeros_like(total[..., :1, :, :])
+        up = xp.reshape(xp.reshape(up, halves)
+                        + xp.concat([zero, total[..., :1, :, :]], axis=-3), g.shape)
+        after = xp.reshape(xp.reshape(after, halves)
+                           + xp.concat([total[..., 1:, :, :], zero], axis=-3), g.shape)
+        h *= 2
+    return out, up, after
 
 
 def gla_chunked(q, k, v, g, s0, chunk_size: int):
@@ -113,18 +126,22 @@ def gla_chunked(q, k, v, g, s0, chunk_size: int):
     c = 2 ** (c - 1).bit_length() if per_dim else c
     qc, kc, vc, gc = (in_chunks(x, c) for x in (q, k, v, g))
     if per_dim:
-        within = within_chunks(qc, kc, vc, gc)
+        within, up, after = within_chunks(qc, kc, vc, gc)
+        into, to_end = xp.exp(up), xp.exp(after)
     else:
-        within = ((qc @ xp.matrix_transpose(kc)) * decay_matrix(gc)[..., 0]) @ vc
-    into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # state -> query t
-    upd = xp.matrix_transpose(kc * xp.exp(sum_after(gc))) @ vc      # keys -> chunk end
+        d = decay_matrix(gc)[..., 0]
+        within = ((qc @ xp.matrix_transpose(kc)) * d) @ vc
+        # the state -> t is the first key's gate then D's first column (two factors <= 1),
+        # a key -> the chunk end D's last row: no cumulative sum beside D's
+        into = xp.exp(gc[..., :1, :]) * d[..., :, :1]
+        to_end = xp.matrix_transpose(d[..., -1:, :])
+    upd = xp.matrix_transpose(kc * to_end) @ vc                     # keys -> chunk end
 
-    def chunk(s, within_i, q_i, into_i, upd_i):
-        out = within_i + (q_i * into_i) @ s
-        return xp.matrix_transpose(into_i[..., -1:, :]) * s + upd_i, out
+    def chunk(s, q_i, into_i, upd_i):
+        return xp.matrix_transpose(into_i[..., -1:, :]) * s + upd_i, (q_i * into_i) @ s
 
-    s, out = scan(chunk, s0, (within, qc, into, upd), axis=-3)
-    return unchunk(out, n), s
+    s, across = scan(chunk, s0, (qc, into, upd), axis=-3)
+    return unchunk(within + across, n), s
 
 
 def delta_recurrent(q, k, v, beta, g, s0):
@@ -141,9 +158,27 @@ def delta_recurrent(q, k, v, beta, g, s0):
     return out, s
 
 
+def unit_lower_inverse(a):
+    """``(I + A)^(-1)`` of a strictly lower triangular ``A (..., c, c)``, by forward
+    substitution one row at a time (fla's UT transform): with the rows ``< i`` of
+    ``T = (I + A)^(-1)`` known, ``T_i = e_i - A_i T``.  A unit triangular matrix needs no
+    pivoting; ``linalg.solve`` would lower to a pivoted LU and a permutation loop under
+    ``jax.jit``, this to one loop over the ``c`` rows."""
+    xp = array_namespace(a)
+    eye = xp.eye(a.shape[-1], dtype=a.dtype, device=device(a))
+
+    def row(t, i):                            # rows >= i of t are still 0
+        e_i = eye[i, :]
+        return t + e_i[:, None] * (e_i - _row_times(a[..., i, :], t))[..., None, :], None
+
+    t, _ = scan(row, xp.zeros_like(a), (range(a.shape[-1]),), axis=0)
+    return t
+
+
 def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     """The delta rule by chunks (Yang et al. 2024's WY/UT form, with gates): inside a
-    chunk with decays ``Gam = D_tj`` the updates are ``U = T (V - diag(exp G) K S_0)``,
+    chunk with decays ``Gam = D_tj`` the updates are ``U = T (V - diag(exp G) K S_0) =
+    u - w S_0`` with ``u = T V``, ``w = T diag(exp G) K`` (fla's ``u`` and ``w``),
     ``T = (I + diag(beta) strict_tril(K K^T) * Gam)^(-1) diag(beta)``; then
     ``O = diag(exp G) Q S_0 + (tril(Q K^T) * Gam) U`` and
     ``S_c = exp(G_c) S_0 + (K * Gam_c)^T U``: ``(O, S_n)``."""
@@ -154,15 +189,16 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     gam = decay_matrix(gc)[..., 0]                                  # (..., nc, c, c)
     eye = xp.eye(c, dtype=q.dtype, device=device(q))
     strict = (kc @ xp.matrix_transpose(kc)) * gam * (1.0 - eye)
-    t = xp.linalg.solve(eye + bc * strict, eye * xp.matrix_transpose(bc))
+    t = unit_lower_inverse(bc * strict) * xp.matrix_transpose(bc)
     qk = (qc @ xp.matrix_transpose(kc)) * gam
-    into = xp.exp(xp.cumulative_sum(gc, axis=-2))                   # (..., nc, c, 1)
+    into = xp.exp(gc[..., :1, :]) * gam[..., :, :1]                 # as in gla_chunked
     to_end = xp.matrix_transpose(gam[..., -1:, :])                  # (..., nc, c, 1)
+    u, w = t @ vc, t @ (kc * into)
 
-    def chunk(s, t_i, q_i, k_i, v_i, qk_i, into_i, to_end_i):
-        u = t_i @ (v_i - (k_i * into_i) @ s)
-        out = (q_i * into_i) @ s + qk_i @ u
-        return into_i[..., -1:, :] * s + xp.matrix_transpose(k_i * to_end_i) @ u, out
+    def chunk(s, q_i, k_i, u_i, w_i, qk_i, into_i):
+        u_i = u_i - w_i @ s                                         # U
+        out = (q_i * into_i) @ s + qk_i @ u_i
+        return into_i[..., -1:, :] * s + xp.matrix_transpose(k_i) @ u_i, out
 
-    s, out = scan(chunk, s0, (t, qc, kc, vc, qk, into, to_end), axis=-3)
+    s, out = scan(chunk, s0, (qc, kc * to_end, u, w, qk, into), axis=-3)
     return unchunk(out, n), s
