@@ -13,6 +13,7 @@ from array_api_compat import device as xp_device
 from .finite import drop_nonfinite, nonfinite_rows
 from .masks import (attend, log_total, masked_softmax, merge_partials, partial_softmax,
                     zero_masked_keys)
+from .indexing import take_in_bounds
 from .rows import unit_rows
 from .scan import scan
 
@@ -119,7 +120,7 @@ class SortedRound:
         table = xp.reshape(xp.stack([pos, bucket, *every]), (2 + len(every), B * n))
         table = xp.concat([table, xp.full((table.shape[0], 1), -1, dtype=table.dtype,
                                           device=device)], axis=1)
-        labels = xp.reshape(xp.take(table, self.at, axis=1), (-1, nc, B, 2 * C))
+        labels = xp.reshape(take_in_bounds(table, self.at, axis=1), (-1, nc, B, 2 * C))
         self.labels = tuple(labels[i, ...] for i in range(labels.shape[0]))  # (nc, B, 2C)
         if causal:
             # Window index j >= query index i: the key is among the C sorted slots
@@ -133,12 +134,13 @@ class SortedRound:
         xp, B, n = self.xp, self.B, self.n
         table = xp.concat([xp.reshape(x, (B * n, x.shape[-1])),
                            xp.zeros((1, x.shape[-1]), dtype=x.dtype, device=xp_device(x))])
-        return xp.reshape(xp.take(table, self.at, axis=0), (self.nc, B, 2 * self.C, -1))
+        return xp.reshape(take_in_bounds(table, self.at, axis=0),
+                          (self.nc, B, 2 * self.C, x.shape[-1]))
 
     def unsort(self, y):
         """Sorted rows ``(nc, B, C, f)`` back in position order: ``(B, n, f)``."""
         flat = self.xp.reshape(y, (self.nc * self.B * self.C, y.shape[-1]))
-        return self.xp.reshape(self.xp.take(flat, self.flat_undo, axis=0),
+        return self.xp.reshape(take_in_bounds(flat, self.flat_undo, axis=0),
                                (self.B, self.n, y.shape[-1]))
 
     def over_blocks(self, step, xs):
