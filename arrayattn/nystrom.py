@@ -250,17 +250,20 @@ def landmark_attention(q, k, v, /, *, num_landmarks=64, scale=None, key_mask=Non
 def _finite(form, call: NystromCall, w: Working):
     """``form`` (the reference or the engine) with Nyströmformer's rule for non-finite
     tokens: every row depends on every token through the landmarks, so a non-finite
-    query, key or value (``w.bad``) makes all rows NaN; it is taken out first (it must
-    not reach the SVD, which would raise).  A masked token is dropped, never counted
-    (padding may hold anything)."""
+    query, key or value makes all rows NaN; it is taken out first (it must not reach the
+    SVD, which would raise).  A masked token is dropped, never counted (padding may hold
+    anything)."""
     xp = call.p.xp
-    bad_q = reference.nonfinite_rows(w.q)
-    out = form(reference.drop_nonfinite(bad_q, w.q), w.k, w.v, **call.options)
+    real_q = w.q if call.query_mask is None else xp.where(call.query_mask[..., None], w.q, 0.0)
+    # x - x is NaN exactly where x is not finite: a sum over every real token is NaN
+    # exactly when one is bad (a float sum, where a boolean any is a costly XLA CPU kernel)
+    bad = xp.isnan(sum(xp.sum(x - x, axis=(-2, -1)) for x in (real_q, w.k, w.v)))
+    # Then every row is NaN whatever the others hold: the bad entries are zeroed (where,
+    # not a product), not their rows.
+    q, k, v = (xp.where(xp.isfinite(x), x, 0.0) for x in (w.q, w.k, w.v))
+    out = form(q, k, v, **call.options)
     if call.conv_kernel is not None:
-        out = out + reference.depthwise_conv(w.v, call.conv_kernel, call.key_mask)
-    if call.query_mask is not None:
-        bad_q = bad_q & call.query_mask
-    bad = xp.any(bad_q, axis=-1) | xp.any(w.bad, axis=-1)
+        out = out + reference.depthwise_conv(v, call.conv_kernel, call.key_mask)
     return reference.poison_rows(out, xp.broadcast_to(bad[..., None], out.shape[:-1]))
 
 
@@ -290,7 +293,6 @@ _NONE_MEANS = {"scale": "1/sqrt(d)", "key_mask": "every key is real",
 #: The pipeline of :func:`nystrom_attention`.
 NYSTROM_SPEC = Spec(name="nystrom_attention", check=checked_nystrom,
                     reference=_nystrom_reference, engine=_nystrom_engine, work=_work,
-                    poison=lambda call: True,
                     none_means={**_NONE_MEANS, "pinv_rtol": "m * eps of the working dtype",
                                 "conv_kernel": "no convolution skip"})
 

@@ -15,6 +15,7 @@ from . import masks
 from . import rows
 from . import chunks
 from . import scan
+from . import indexing
 from . import exact
 from . import exact_vjp
 from . import kernel

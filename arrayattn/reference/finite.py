@@ -31,7 +31,10 @@ def nonfinite_rows(*arrays):
     xp = array_namespace(*arrays)
     bad = None
     for x in arrays:
-        row = ~xp.all(xp.isfinite(x), axis=-1)
+        # x - x is NaN exactly where x is not finite (0 elsewhere), so a row's sum of it
+        # is NaN exactly when the row holds a NaN or an infinity: ~all(isfinite(x)), as a
+        # float sum (a boolean reduction is a costly kernel for XLA to compile on the CPU)
+        row = xp.isnan(xp.sum(x - x, axis=-1))
         bad = row if bad is None else (bad | row)
     return bad
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from array_api_compat import array_namespace, device
 
 from .finite import poisoned_logits
+from .indexing import take_in_bounds
 
 __all__ = ["Logits", "tile_logits", "tile_logits_at", "pick", "segment_ids"]
 
@@ -102,11 +103,11 @@ def tile_logits(lg: Logits, q, k, i0: int, i1: int, j0: int, j1: int, *, slope=F
 
 def pick(x, idx, axis: int):
     """``x`` at ``idx`` along ``axis``: a slice, or an integer index array (a block at an
-    offset that is traced under ``jax.jit``)."""
+    offset that is traced under ``jax.jit``; every index in bounds)."""
     axis = axis % x.ndim
     if isinstance(idx, slice):
         return x[(slice(None),) * axis + (idx, ...)]
-    return array_namespace(x).take(x, idx, axis=axis)
+    return take_in_bounds(x, idx, axis=axis)
 
 
 def _positions(xp, idx, dev):

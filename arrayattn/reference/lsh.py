@@ -10,7 +10,10 @@ import math
 from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
 
-from .masks import attend, log_total, masked_softmax, merge_partials, zero_masked_keys
+from .finite import drop_nonfinite, nonfinite_rows
+from .masks import (attend, log_total, masked_softmax, merge_partials, partial_softmax,
+                    zero_masked_keys)
+from .indexing import take_in_bounds
 from .rows import unit_rows
 from .scan import scan
 
@@ -34,7 +37,8 @@ def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
         proj = qk @ flat_rot
         proj = xp.reshape(proj, (*proj.shape[:-1], H, half))   # (..., n, H, nb/2)
     # argmax([p, -p]) without forming the concatenation (ties: the first half wins,
-    # as argmax takes the first maximum).
+    # as argmax takes the first maximum; the concatenation would double the largest
+    # temporary, n H nb/2 entries).
     upper = xp.max(proj, axis=-1) >= -xp.min(proj, axis=-1)
     buckets = xp.where(upper, xp.argmax(proj, axis=-1),
                        xp.argmin(proj, axis=-1) + half)                 # (..., n, H)
@@ -56,25 +60,6 @@ def _broadcast(a, b):
     return tuple(y if x == 1 else x for x, y in zip(a, b))
 
 
-def _gather(xp, x, flat_idx, shape):
-    """Rows of ``x (B, n, f)`` at flat indices (``b*n + i``), reshaped."""
-    B, n, f = x.shape
-    return xp.reshape(xp.take(xp.reshape(x, (B * n, f)), flat_idx, axis=0), shape)
-
-
-def _look_one_back(xp, x, fill, axis=2):
-    """``(nc, B, C, ...) -> (nc, B, 2C, ...)``: each chunk preceded by the previous chunk.
-
-    ``axis`` is the within-chunk axis (``-1`` for transposed keys ``(nc, B, d, C)``).
-    The first chunk has no previous chunk (no wrap-around): its look-back half is
-    ``fill`` (a slot that no query may attend to).  The result is a fresh contiguous
-    array (NumPy's batched matmul is ~10x slower on a transposed view).
-    """
-    first = xp.full((1, *x.shape[1:]), fill, dtype=x.dtype, device=xp_device(x))
-    prev = xp.concat([first, x[:-1, ...]], axis=0)
-    return xp.concat([prev, x], axis=axis)
-
-
 _TILE = 1 << 22  # elements of one score-sized temporary (16 MiB in float32)
 
 
@@ -92,19 +77,21 @@ class SortedRound:
 
     Built from the round's ``bucket (B, n)`` (masked tokens in bucket ``nb``): a stable
     sort by bucket, padded to ``nc * C`` slots, ``nc`` a whole number of blocks of
-    chunks (a pad slot holds position 0, but its labels are -1).  The chunk axis leads,
-    ``(nc, B, C, f)``: it is the axis the blocks of chunks are scanned over.
-    :meth:`chunks` gathers rows into the sorted chunks, :meth:`window` puts each chunk
-    after the previous one, :meth:`over_blocks` runs a step on each block of chunks (a
-    scan), :meth:`mask` gives a block's allowed pairs from its slots' labels,
+    chunks.  The chunk axis leads: it is the axis the blocks of chunks are scanned over.
+    Each chunk's *window* is the previous chunk's ``C`` slots then its own: :attr:`at`,
+    ``(nc, B, 2C)`` row numbers into a table of the ``B n`` token rows and one empty row
+    last, which the pad slots and the first chunk's look-back (no previous chunk, no
+    wrap-around) point at.  The window is built once, on these indices, and
+    :meth:`windows` gathers any rows with it in one ``take``; a chunk's queries are the
+    second half of its window.  :meth:`over_blocks` runs a step on each block of chunks
+    (a scan), :meth:`mask` gives a block's allowed pairs from its slots' labels,
     :meth:`unsort` puts sorted rows back.
 
     The *labels* of a slot are its position, its bucket and -- for the duplicate count,
     when ``buckets (B, H, n)``, every round's, is given -- its bucket in every round:
-    :attr:`labels`, a tuple of ``(nc, B, C)`` ints, -1 for a pad slot, and
-    :attr:`key_labels`, their windows ``(nc, B, 2C)``, -1 in the first chunk's
-    look-back half.  (Separate arrays, not one stacked array: a scanned block reads each
-    label contiguously, which XLA's fused mask needs to run at speed.)
+    :attr:`labels`, a tuple of ``(nc, B, 2C)`` ints over the windows, -1 in the empty
+    row.  (Gathered in one take, label-major: a scanned block reads each label
+    contiguously, which XLA's fused mask needs to run at speed.)
     """
 
     def __init__(self, xp, bucket, buckets=None, *, C: int, nb: int, causal: bool, device):
@@ -112,43 +99,48 @@ class SortedRound:
         self.xp, self.B, self.n, self.C, self.nb, self.causal = xp, B, n, C, nb, causal
         self.g, count = _blocking(B, C, -(-n // C))
         self.nc = nc = self.g * count
-        L = nc * C
         order = xp.argsort(bucket, axis=-1, stable=True)               # (B, n) positions
         # Sorted slot t holds position order[t]; position i is at undo[i].
         undo = xp.argsort(order, axis=-1, stable=True)
-        if L > n:
-            order = xp.concat(
-                [order, xp.zeros((B, L - n), dtype=order.dtype, device=device)], axis=-1)
-        # Flat row indices, chunk-major: slot c C + i of batch b is row (c, b, i).
         batch = xp.reshape(xp.arange(B, dtype=order.dtype, device=device), (B, 1))
-        self.flat = xp.reshape(xp.permute_dims(
-            xp.reshape(order + batch * n, (B, nc, C)), (1, 0, 2)), (nc * B * C,))
+        rows = order + batch * n                        # slot -> row b n + i of the table
+        empty = B * n                                   # the table's last row
+        if nc * C > n:
+            rows = xp.concat([rows, xp.full((B, nc * C - n), empty, dtype=rows.dtype,
+                                            device=device)], axis=-1)
+        own = xp.permute_dims(xp.reshape(rows, (B, nc, C)), (1, 0, 2))  # (nc, B, C)
+        prev = xp.concat([xp.full((1, B, C), empty, dtype=rows.dtype, device=device),
+                          own[:-1, ...]], axis=0)
+        self.at = xp.reshape(xp.concat([prev, own], axis=-1), (nc * B * 2 * C,))
+        # Position i back from the chunks' own halves (nc, B, C): row (c, b, i).
         self.flat_undo = xp.reshape((undo // C) * (B * C) + batch * C + undo % C, (B * n,))
         every = [] if buckets is None else [buckets[:, r, :] for r in range(buckets.shape[1])]
         pos = xp.broadcast_to(xp.arange(n, dtype=bucket.dtype, device=device), (B, n))
-        is_slot = xp.reshape(xp.arange(L, dtype=order.dtype, device=device) < n, (nc, 1, C))
-        self.labels = tuple(xp.where(is_slot, self.chunks(x[..., None])[..., 0], -1)
-                            for x in (pos, bucket, *every))             # (nc, B, C) each
-        self.key_labels = tuple(self.window(x, fill=-1) for x in self.labels)
+        # Every label of every window slot in one take, label-major (-1: the empty row).
+        table = xp.reshape(xp.stack([pos, bucket, *every]), (2 + len(every), B * n))
+        table = xp.concat([table, xp.full((table.shape[0], 1), -1, dtype=table.dtype,
+                                          device=device)], axis=1)
+        labels = xp.reshape(take_in_bounds(table, self.at, axis=1), (-1, nc, B, 2 * C))
+        self.labels = tuple(labels[i, ...] for i in range(labels.shape[0]))  # (nc, B, 2C)
         if causal:
             # Window index j >= query index i: the key is among the C sorted slots
             # before the query (slot c C + i sees slots (c - 1) C + j, j = i .. 2C - 1).
             j = xp.arange(2 * C, dtype=order.dtype, device=device)
             self.near = j >= xp.reshape(j[:C], (C, 1))
 
-    def chunks(self, x):
-        """``x (B, n, f)`` in sorted order, ``(nc, B, C, f)`` (pad slots: position 0)."""
-        return _gather(self.xp, x, self.flat, (self.nc, self.B, self.C, x.shape[-1]))
-
-    def window(self, x, axis=2, fill=0):
-        """Each chunk preceded by the previous one: ``(nc, B, 2C, f)`` (see
-        :func:`_look_one_back`; ``axis=-1`` for transposed keys)."""
-        return _look_one_back(self.xp, x, fill, axis=axis)
+    def windows(self, x):
+        """The rows of ``x (B, n, f)`` in the windows: ``(nc, B, 2C, f)`` (the empty
+        slots: 0)."""
+        xp, B, n = self.xp, self.B, self.n
+        table = xp.concat([xp.reshape(x, (B * n, x.shape[-1])),
+                           xp.zeros((1, x.shape[-1]), dtype=x.dtype, device=xp_device(x))])
+        return xp.reshape(take_in_bounds(table, self.at, axis=0),
+                          (self.nc, B, 2 * self.C, x.shape[-1]))
 
     def unsort(self, y):
         """Sorted rows ``(nc, B, C, f)`` back in position order: ``(B, n, f)``."""
         flat = self.xp.reshape(y, (self.nc * self.B * self.C, y.shape[-1]))
-        return self.xp.reshape(self.xp.take(flat, self.flat_undo, axis=0),
+        return self.xp.reshape(take_in_bounds(flat, self.flat_undo, axis=0),
                                (self.B, self.n, y.shape[-1]))
 
     def over_blocks(self, step, xs):
@@ -158,6 +150,8 @@ class SortedRound:
         (Blocks keep the score-sized temporaries near ``_TILE`` elements: memory
         ``O(n d + tile)`` instead of ``O(n C)``.)"""
         xp, g = self.xp, self.g
+        if g == self.nc:         # one block: no loop
+            return step(*xs)
         sizes = [len(x) if isinstance(x, tuple) else None for x in xs]
         flat = [a for x in xs for a in (x if isinstance(x, tuple) else (x,))]
         cut = tuple(xp.reshape(x, (self.nc // g, g, *x.shape[1:])) for x in flat)
@@ -172,15 +166,16 @@ class SortedRound:
         _, ys = scan(block, None, cut, axis=0)
         return tuple(xp.reshape(y, (self.nc, *y.shape[2:])) for y in ys)
 
-    def mask(self, at_q, at_k):
-        """``(allowed, rounds)`` of a block from its query labels (each ``(g, B, C)``) and
-        key labels (each ``(g, B, 2C)``), both ``(g, B, C, 2C)``: a query sees the other real
-        tokens of its bucket in its chunk and the previous one (causal: the ``C`` sorted
-        slots before it); ``rounds`` is ``N_ij``, the number of rounds in which the pair
-        shares a bucket (``None`` without every round's labels; ``>= 1`` where allowed)."""
+    def mask(self, labels):
+        """``(allowed, rounds)`` of a block from its window labels (each ``(g, B, 2C)``;
+        the queries' are the second half), both ``(g, B, C, 2C)``: a query sees the other
+        real tokens of its bucket in its chunk and the previous one (causal: the ``C``
+        sorted slots before it); ``rounds`` is ``N_ij``, the number of rounds in which the
+        pair shares a bucket (``None`` without every round's labels; ``>= 1`` where
+        allowed)."""
         xp = self.xp
-        pq, pk = at_q[0][..., :, None], at_k[0][..., None, :]
-        bq, bk = at_q[1][..., :, None], at_k[1][..., None, :]
+        at_q, at_k = [x[..., self.C:, None] for x in labels], [x[..., None, :] for x in labels]
+        pq, pk, bq, bk = at_q[0], at_k[0], at_q[1], at_k[1]
         # Paper eq. (3): same bucket only, and a real key (pad slots and the first
         # chunk's look-back are in bucket -1, masked tokens in bucket nb).
         allowed = (bq == bk) & (bk >= 0) & (bk < self.nb) & (
@@ -194,32 +189,35 @@ class SortedRound:
             allowed = allowed & self.near
         rounds = None
         for hq, hk in zip(at_q[2:], at_k[2:]):    # every round's buckets
-            same = xp.astype(hq[..., :, None] == hk[..., None, :], xp.int8)
+            same = xp.astype(hq == hk, xp.int8)
             rounds = same if rounds is None else rounds + same
         return allowed, rounds
 
 
-def _lsh_round(xp, qs, ks, vs, bucket, buckets, *, C, nb, causal, device):
-    """One hash round: sort, chunk, attend; returns ``(out (B, n, dv), lse (B, n))``.
+def _lsh_round(xp, rows, bucket, buckets, *, d, C, nb, causal, device):
+    """One hash round: sort, chunk, attend.  Returns the round's partial softmax sums in
+    position order (:func:`~arrayattn.reference.masks.partial_softmax`): the row max
+    ``m (B, n, 1)``, ``l = sum_j e^{s_ij - m} (B, n, 1)`` and ``sum_j e^{s_ij - m} v_j
+    (B, n, dv)``, for the rounds' merge.
 
-    ``qs`` (queries, scaled), ``ks`` (unit keys), ``vs`` are ``(B, n, .)``; ``bucket``
-    is the round's ``(B, n)`` with masked tokens in bucket ``nb``; ``buckets (B, H, n)``
-    every round's (the duplicate count), or ``None``.
+    ``rows (B, n, 2d + dv)`` holds each token's scaled query, unit key and value;
+    ``bucket`` is the round's ``(B, n)`` with masked tokens in bucket ``nb``;
+    ``buckets (B, H, n)`` every round's (the duplicate count), or ``None``.
     """
     rd = SortedRound(xp, bucket, buckets, C=C, nb=nb, causal=causal, device=device)
 
-    def block(q, k_t, v, at_q, at_k):
-        allowed, rounds = rd.mask(at_q, at_k)
-        scores = q @ k_t                                                # (g, B, C, 2C)
+    def block(w, labels):       # the rows (g, B, 2C, 2d + dv) of a block's windows
+        allowed, rounds = rd.mask(labels)
+        scores = w[..., C:, :d] @ xp.matrix_transpose(w[..., d:2 * d])  # (g, B, C, 2C)
         if rounds is not None:
             # Subtracting log N_ij makes a pair met in several rounds count once.
-            scores = scores - xp.log(xp.maximum(xp.astype(rounds, qs.dtype), 1.0))
-        return attend(scores, v, allowed)
+            scores = scores - xp.log(xp.maximum(xp.astype(rounds, w.dtype), 1.0))
+        m, total, e = partial_softmax(scores, allowed)
+        # (values are finite: see lsh_rounds); the three put back in one unsort
+        return (xp.concat([m, total, e @ w[..., 2 * d:]], axis=-1),)
 
-    out, lse = rd.over_blocks(block, (
-        rd.chunks(qs), rd.window(xp.matrix_transpose(rd.chunks(ks)), axis=-1),
-        rd.window(rd.chunks(vs)), rd.labels, rd.key_labels))
-    return rd.unsort(out), rd.unsort(lse[..., None])[..., 0]
+    part = rd.unsort(rd.over_blocks(block, (rd.windows(rows), rd.labels))[0])
+    return part[..., :1], part[..., 1:2], part[..., 2:]
 
 
 def lsh_pattern(qk, rotations, *, num_buckets: int, chunk_size: int, causal: bool = False,
@@ -290,14 +288,21 @@ def lsh_rounds(qk, v, buckets, *, num_buckets: int, chunk_size: int, scale: floa
     dev = xp_device(qk)
     qs, ks = qk * scale, unit_rows(qk)[0]
     every = buckets if dedup and buckets.shape[1] > 1 else None   # for N_ij
+    # A non-finite value (finite.py's rule), once for every round: its row is zeroed and
+    # its key made NaN, so its logits column is NaN -- exactly the rows that may see it
+    # become NaN, as masks.attend's poisoned logits make them.
+    bad = nonfinite_rows(v)
+    ks, v = xp.where(bad[..., None], xp.nan, ks), drop_nonfinite(bad, v)
+    rows = xp.concat([qs, ks, v], axis=-1)       # gathered together, once per round
 
-    # The rounds merged as they come (masks.merge_partials, the online log-sum-exp):
-    # each round is the part (z_r, 1, o_r); the carry (top, total, acc) is the running max
-    # of the rounds' lse, sum_r e^{z_r - top} and sum_r e^{z_r - top} o_r.
+    # The rounds merged as they come (masks.merge_partials, the online log-sum-exp of
+    # their partial sums): the carry (top, total, acc) is the running row max, the sum of
+    # e^{s - top} and the sum of e^{s - top} v over the rounds so far.
+
     def one_round(state, bucket):
-        o, z = _lsh_round(xp, qs, ks, v, bucket, every,
-                          C=chunk_size, nb=num_buckets, causal=causal, device=dev)
-        return merge_partials(state, (z[..., None], xp.ones_like(z[..., None]), o)), None
+        part = _lsh_round(xp, rows, bucket, every, d=qk.shape[-1], C=chunk_size,
+                          nb=num_buckets, causal=causal, device=dev)
+        return merge_partials(state, part), None
 
     start = (xp.full((B, n, 1), -xp.inf, dtype=qk.dtype, device=dev),
              xp.zeros((B, n, 1), dtype=qk.dtype, device=dev),

@@ -91,6 +91,12 @@ def _fold(xp, w, C: int):
     return w[..., C:, :] + xp.concat([w[1:, ..., :C, :], zero], axis=0)
 
 
+def _split(xp, w, dims):
+    """The column groups of ``w (..., sum(dims))``, widths ``dims``."""
+    ends = [sum(dims[:i + 1]) for i in range(len(dims))]
+    return tuple(w[..., e - c:e] for c, e in zip(dims, ends))
+
+
 def lsh_attention_chunked_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_size: int,
                               scale: float, causal: bool = False, key_mask=None,
                               dedup: bool = True):
@@ -108,21 +114,24 @@ def lsh_attention_chunked_vjp(qk, v, do, rotations, *, num_buckets: int, chunk_s
     q, k = x * scale, unit_rows(x)[0]
     every = buckets if dedup and H > 1 else None                           # for N_ij
 
+    # Every per-token row, gathered into the windows together: q | k | v | dO | z | D.
+    dims = (x.shape[-1], x.shape[-1], vz.shape[-1], do3.shape[-1], 1, 1)
+    rows = xp.concat([q, k, vz, do3, z[..., None], delta[..., None]], axis=-1)
+
     def one_round(grads, bucket):
         rd = SortedRound(xp, bucket, every, C=C, nb=num_buckets, causal=causal, device=dev)
 
-        def block(q_b, k_b, v_b, do_b, z_b, d_b, at_q, at_k):
-            allowed, rounds = rd.mask(at_q, at_k)
+        def block(w, labels):
+            q_b, k_b, v_b, do_b, z_b, d_b = _split(xp, w, dims)
+            q_b, do_b, z_b, d_b = (y[..., C:, :] for y in (q_b, do_b, z_b, d_b))  # own chunk
+            allowed, rounds = rd.mask(labels)
             lg = Logits(scale=1.0, mask=allowed, bias=None if rounds is None else
                         -xp.log(xp.maximum(xp.astype(rounds, x.dtype), 1.0)))
-            pz, _, dsr, kj, qi = tile_backward(lg, q_b, k_b, v_b, do_b, d_b, z_b, None,
-                                               0, C, 0, 2 * C)
+            pz, _, dsr, kj, qi = tile_backward(lg, q_b, k_b, v_b, do_b, d_b[..., 0],
+                                               z_b[..., 0], None, 0, C, 0, 2 * C)
             return dsr @ kj, xp.matrix_transpose(dsr) @ qi, xp.matrix_transpose(pz) @ do_b
 
-        dq_c, dk_w, dv_w = rd.over_blocks(block, (
-            rd.chunks(q), rd.window(rd.chunks(k)), rd.window(rd.chunks(vz)), rd.chunks(do3),
-            rd.chunks(z[..., None])[..., 0], rd.chunks(delta[..., None])[..., 0],
-            rd.labels, rd.key_labels))
+        dq_c, dk_w, dv_w = rd.over_blocks(block, (rd.windows(rows), rd.labels))
         dq, dk, dv = grads
         return (dq + rd.unsort(dq_c), dk + rd.unsort(_fold(xp, dk_w, C)),
                 dv + rd.unsort(_fold(xp, dv_w, C))), None

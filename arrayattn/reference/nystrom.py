@@ -80,11 +80,14 @@ def pinv_razavi(a, iters: int, init: str = "per_matrix"):
     official Nyströmformer code).  A zero matrix gives ``Z = 0``."""
     xp = array_namespace(a)
     z = xp.matrix_transpose(a) * razavi_scale(a, init)[0]
-    eye = xp.eye(a.shape[-2], dtype=a.dtype, device=device(a))
 
     def iteration(z):
-        az = a @ z
-        return 0.25 * (z @ (13.0 * eye - az @ (15.0 * eye - az @ (7.0 * eye - az))))
+        # Z (13I - X (15I - X (7I - X))), X = AZ, multiplied out: no identity matrix,
+        # one elementwise step (each I would be a kernel of its own under jax.jit).
+        x = a @ z
+        zx = z @ x
+        zxx = zx @ x
+        return 0.25 * (13.0 * z - 15.0 * zx + 7.0 * zxx - zxx @ x)
 
     return fori(iteration, z, iters)
 
