@@ -21,7 +21,7 @@ from .scan import fori
 
 __all__ = ["masked_segment_means", "pinv_svd", "pinv_razavi", "nystrom_attention",
            "landmark_attention", "depthwise_conv", "segment_sums", "landmarks", "and_masks",
-           "as_columns", "as_rows", "razavi_scale"]
+           "as_columns", "as_rows", "razavi_scale", "razavi_step"]
 
 
 def segment_sums(x, m: int):
@@ -80,16 +80,17 @@ def pinv_razavi(a, iters: int, init: str = "per_matrix"):
     official Nyströmformer code).  A zero matrix gives ``Z = 0``."""
     xp = array_namespace(a)
     z = xp.matrix_transpose(a) * razavi_scale(a, init)[0]
+    return fori(lambda z: razavi_step(a, z), z, iters)
 
-    def iteration(z):
-        # Z (13I - X (15I - X (7I - X))), X = AZ, multiplied out: no identity matrix,
-        # one elementwise step (each I would be a kernel of its own under jax.jit).
-        x = a @ z
-        zx = z @ x
-        zxx = zx @ x
-        return 0.25 * (13.0 * z - 15.0 * zx + 7.0 * zxx - zxx @ x)
 
-    return fori(iteration, z, iters)
+def razavi_step(a, z):
+    """One step of :func:`pinv_razavi`: ``Z (13I - X (15I - X (7I - X))) / 4``, ``X = AZ``,
+    multiplied out (the same four products; no identity matrix, one elementwise step:
+    each ``I`` would be a kernel of its own under ``jax.jit``)."""
+    x = a @ z
+    zx = z @ x
+    zxx = zx @ x
+    return 0.25 * (13.0 * z - 15.0 * zx + 7.0 * zxx - zxx @ x)
 
 
 def landmarks(q, k, v, m, key_mask, query_mask):

@@ -55,7 +55,7 @@ from array_api_compat import array_namespace, device
 
 from .masks import masked_softmax, zero_masked_keys
 from .nystrom import (and_masks, as_columns, as_rows, depthwise_conv, landmarks, pinv_razavi,
-                      pinv_svd, razavi_scale, segment_sums)
+                      pinv_svd, razavi_scale, razavi_step, segment_sums)
 
 __all__ = ["masked_segment_means_vjp", "pinv_svd_vjp", "pinv_razavi_vjp",
            "nystrom_attention_vjp", "landmark_attention_vjp", "depthwise_conv_vjp"]
@@ -137,7 +137,7 @@ def pinv_razavi_vjp(a, dz, iters: int, init: str = "per_matrix"):
     eye = _eye(a, a.shape[-2])
     zs = [_t(a) * inv]                      # the inputs Z_0 .. Z_{iters-1} of the steps
     for _ in range(iters - 1):
-        zs.append(_razavi_step(a, zs[-1], eye))
+        zs.append(razavi_step(a, zs[-1]))     # the forward's steps, bit for bit
     zs = zs[:iters]
     da = xp.zeros(a.shape, dtype=a.dtype, device=device(a))
     g = dz
@@ -159,11 +159,6 @@ def pinv_razavi_vjp(a, dz, iters: int, init: str = "per_matrix"):
     dcol, drow = -dinv * inv * inv * row, -dinv * inv * inv * col
     dabs = _norm_vjp(xp, absa, dcol, -2, init) + _norm_vjp(xp, absa, drow, -1, init)
     return da + xp.sign(a) * dabs
-
-
-def _razavi_step(a, z, eye):
-    az = a @ z
-    return 0.25 * (z @ (13.0 * eye - az @ (15.0 * eye - az @ (7.0 * eye - az))))
 
 
 def nystrom_attention_vjp(q, k, v, do, *, num_landmarks: int, scale: float,
