@@ -255,9 +255,10 @@ def _finite(form, call: NystromCall, w: Working):
     anything)."""
     xp = call.p.xp
     real_q = w.q if call.query_mask is None else xp.where(call.query_mask[..., None], w.q, 0.0)
-    # x - x is NaN exactly where x is not finite: a sum over every real token is NaN
-    # exactly when one is bad (a float sum, where a boolean any is a costly XLA CPU kernel)
-    bad = xp.isnan(sum(xp.sum(x - x, axis=(-2, -1)) for x in (real_q, w.k, w.v)))
+    # a float sum over every real token, NaN exactly when one is bad (a boolean any
+    # is a costly XLA CPU kernel)
+    bad = xp.isnan(sum(xp.sum(reference.nonfinite_as_nan(x), axis=(-2, -1))
+                       for x in (real_q, w.k, w.v)))
     # Then every row is NaN whatever the others hold: the bad entries are zeroed (where,
     # not a product), not their rows.
     q, k, v = (xp.where(xp.isfinite(x), x, 0.0) for x in (w.q, w.k, w.v))

@@ -35,20 +35,16 @@ registered variant appears without any change here.  Columns:
 """
 from __future__ import annotations
 
-import math
 import statistics
 import sys
-import time
-import tracemalloc
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ._backends import get_array_backend
-from ._xp import to_numpy
+from .report_calls import Compiled, compiles, implied_matrix, on_host, timed
 from .report_json import machine_info, rows_as_dicts, write_json
-from .registry import Variant, attention_matrix, get_variant, variants
+from .registry import get_variant, variants
 from .report_plot import plot_report
 from .report_table import format_table
 
@@ -163,123 +159,6 @@ def baseline_row(case: str, v, ref, exact_a) -> Row:
     return row
 
 
-def _host(x):
-    return np.asarray(to_numpy(x), dtype=np.float64)
-
-
-class _Compiled:
-    """One prepared call per variant (``jax.jit`` on JAX), kept for the whole report:
-    JAX compiles it once per input shape, however many cases and calls use it."""
-
-    def __init__(self, be):
-        self.be, self.calls = be, {}
-
-    def __call__(self, rec):
-        if rec.name not in self.calls:
-            self.calls[rec.name] = self.be.compile(lambda q, k, v: rec(q, k, v))
-        return self.calls[rec.name]
-
-    def ahead(self, recs, inputs, workers: int = 2):
-        """Compile every variant of ``recs`` for every input triple of ``inputs`` before
-        anything is timed, ``workers`` programs at a time (XLA compiles outside Python's
-        lock, so one program traces while another compiles); the timed calls then find
-        them in ``jax.jit``'s cache.  A variant that fails here fails again in its row,
-        where the error is reported."""
-        if not _compiles(self.be):
-            return
-        jobs = [(self(rec), args) for rec in recs for args in inputs]
-
-        def compile_one(job):
-            call, args = job
-            try:
-                call.lower(*args).compile()
-            except Exception:  # reported by the row's own call
-                pass
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(compile_one, jobs))
-
-
-def _implied_matrix(be, call, hq, hk, v_shape, dtype):
-    """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``.
-
-    Where calls are compiled (JAX), through the variant's compiled call on ``v``'s shape
-    -- no program of another shape to compile: the first head's ``q, k`` in every head
-    slot, each slot carrying its own block of the identity's columns, so that one call
-    gives ``slots x dv`` columns.  The first call carries block 0 in every slot: a variant
-    whose heads are not alike (per-head decays, gates drawn per head) answers differently
-    in its slots, and then each call gives slot 0's ``dv`` columns.  Elsewhere one call
-    on ``I_s``."""
-    if not _compiles(be):
-        return _host(attention_matrix(call, be.asarray(hq[:1, :1], dtype),
-                                      be.asarray(hk[:1, :1], dtype)))
-    s, dv, n = v_shape[-2], v_shape[-1], hq.shape[-2]
-    slots = math.prod(v_shape[:-2])
-    q0, k0 = (be.asarray(np.broadcast_to(x[:1, :1], x.shape), dtype) for x in (hq, hk))
-    eye = np.eye(s)
-
-    def columns(starts):
-        block = np.zeros((slots, s, dv))
-        for slot, j0 in enumerate(starts):
-            block[slot, :, :min(dv, s - j0)] = eye[:, j0:j0 + dv]
-        out = call(q0, k0, be.asarray(np.reshape(block, v_shape), dtype))
-        return np.reshape(_host(out), (slots, n, dv))
-
-    first = columns([0] * slots)
-    alike = np.allclose(first, first[:1], rtol=1e-4, atol=1e-6 * np.abs(first[0]).max())
-    cols = {0: first[0]}
-    rest = list(range(dv, s, dv))
-    step = slots if alike else 1
-    for c0 in range(0, len(rest), step):
-        starts = rest[c0:c0 + step]
-        out = columns(starts + [0] * (slots - len(starts)) if alike else starts * slots)
-        cols.update({j0: out[slot] for slot, j0 in enumerate(starts)})
-    a = np.concatenate([cols[j0][:, :min(dv, s - j0)] for j0 in sorted(cols)], axis=-1)
-    return a[None, None]
-
-
-def _identity(fn):
-    return fn
-
-
-def _compiles(be) -> bool:
-    """Whether the backend compiles its timed calls (``jax.jit``)."""
-    return be.compile(_identity) is not _identity
-
-
-def _timed(be, call, q, k, v, repeats):
-    """Warm-up call (peak memory measured on it; on JAX it compiles ``call``'s
-    ``jax.jit`` for these shapes unless an earlier call did), then ``repeats`` timed
-    calls.  ``call``: a prepared call, or a registry record (prepared here)."""
-    if isinstance(call, Variant):
-        call = _Compiled(be)(call)
-    traced = be.memory == "tracemalloc"
-    if traced:
-        was_tracing = tracemalloc.is_tracing()
-        if not was_tracing:
-            tracemalloc.start()
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-    be.reset_peak()
-    try:
-        out = call(q, k, v)
-        be.sync(out)
-    finally:
-        if traced:
-            peak = tracemalloc.get_traced_memory()[1] - base
-            if not was_tracing:
-                tracemalloc.stop()
-    if not traced:
-        peak = be.peak_bytes()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        res = call(q, k, v)
-        be.sync(res)
-        times.append(time.perf_counter() - t0)
-    return out, times, peak
-
-
 class Progress:
     """A progress bar on stderr (redrawn in place on a terminal, sparse lines otherwise)."""
 
@@ -352,10 +231,10 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
     be = get_array_backend(w.backend, w.dtype)
     recs = _select(names)
     prog = progress or Progress(len(CASES) * len(recs), enabled=False)
-    compiled = _Compiled(be)
+    compiled = Compiled(be)
     hosts = {case: [_round(x, w.dtype) for x in make_inputs(w, case)] for case in CASES}
     shapes = {tuple(x.shape for x in host): host for host in hosts.values()}
-    if _compiles(be):
+    if compiles(be):
         prog.note(f"compiling {len(recs)} variant(s) x {len(shapes)} input shape(s) first")
     compiled.ahead(recs, [[be.asarray(x, w.dtype) for x in host] for host in shapes.values()])
     rows = []
@@ -365,7 +244,7 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
         q, k, v = (be.asarray(x, w.dtype) for x in host)
         # compiled (JAX): ones of v's shape, the program already compiled (the row sums
         # are the max over dv identical columns); elsewhere one column
-        ones = be.asarray(np.ones(host[2].shape if _compiles(be) else
+        ones = be.asarray(np.ones(host[2].shape if compiles(be) else
                                   (*host[2].shape[:-1], 1)), w.dtype)
         exact_a = None
         if host[0].shape[-2] <= MATRIX_MAX_N:
@@ -376,8 +255,8 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
             row = Row(rec.name, case, rec.family, _param_label(rec), kind=kind_of(rec))
             try:
                 call = compiled(rec)
-                out, times, peak = _timed(be, call, q, k, v, w.repeats)
-                o = _host(out)
+                out, times, peak = timed(be, call, q, k, v, w.repeats)
+                o = on_host(out)
                 row.rel_error = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
                 row.times_ms = [t * 1e3 for t in times]
                 row.median_ms = statistics.median(row.times_ms)
@@ -386,9 +265,9 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
                 if not getattr(rec, "linear_in_v", True):
                     pass  # no implied matrix: the weights depend on v
                 else:
-                    row.row_sum_dev = float(np.abs(_host(call(q, k, ones)) - 1.0).max())
+                    row.row_sum_dev = float(np.abs(on_host(call(q, k, ones)) - 1.0).max())
                 if exact_a is not None and getattr(rec, "linear_in_v", True):
-                    a = _implied_matrix(be, call, host[0], host[1], host[2].shape, w.dtype)
+                    a = implied_matrix(be, call, host[0], host[1], host[2].shape, w.dtype)
                     row.matrix_error = float(np.abs(a - exact_a).sum(axis=-1).max())
             except Exception as exc:  # keep going: one broken variant must not hide the rest
                 row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -421,7 +300,7 @@ def run_sweeps(w: Workload = Workload(), names=None, *, progress=None,
     be = get_array_backend(w.backend, w.dtype)
     recs = _select(names)
     prog = progress or Progress(1, enabled=False)
-    compiled = _Compiled(be)
+    compiled = Compiled(be)
     errors, scaling = [], []
     for case in CASES:
         host = [_round(x, w.dtype) for x in make_inputs(w, case)]
@@ -432,7 +311,7 @@ def run_sweeps(w: Workload = Workload(), names=None, *, progress=None,
                 point = {"variant": rec.name, "case": case, "parameter": rec.parameter,
                          "value": value}
                 try:
-                    o = _host(rec(q, k, v, **{rec.parameter: value}))
+                    o = on_host(rec(q, k, v, **{rec.parameter: value}))
                     point["rel_error"] = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
                 except Exception as exc:
                     point["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -445,7 +324,7 @@ def run_sweeps(w: Workload = Workload(), names=None, *, progress=None,
             q, k, v = (be.asarray(x, w.dtype) for x in host)
             point = {"variant": rec.name, "n": n}
             try:
-                _, times, _ = _timed(be, compiled(rec), q, k, v, max(1, w.repeats))
+                _, times, _ = timed(be, compiled(rec), q, k, v, max(1, w.repeats))
                 point["median_ms"] = statistics.median(times) * 1e3
                 point["best_ms"] = min(times) * 1e3  # robust to a loaded machine
             except Exception as exc:

@@ -45,7 +45,8 @@ import numpy as np  # noqa: E402
 
 import arrayattn  # noqa: E402
 from arrayattn._backends import BackendUnavailable, get_array_backend  # noqa: E402
-from arrayattn.report import Workload, _timed, make_inputs  # noqa: E402
+from arrayattn.report import Workload, make_inputs  # noqa: E402
+from arrayattn.report_calls import timed  # noqa: E402
 from _measure import machine, peak_rss_growth  # noqa: E402
 
 DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -164,7 +165,7 @@ def bench_backend(backend, names, ns, args, log, measured=()):
                     first = time.perf_counter() - t0
                     del out
                     repeats = 1 if first > 10 else args.repeats
-                    _, times, peak = _timed(be, rec, q, k, v, repeats)
+                    _, times, peak = timed(be, rec, q, k, v, repeats)
                     memory = be.memory
                     if peak is None:  # torch on the CPU, JAX: growth of the peak RSS
                         def call():

@@ -318,15 +318,15 @@ def test_compiled_implied_matrix_is_the_first_heads(name):
     one block per call.  Either way it is the first head's matrix, as on NumPy."""
     pytest.importorskip("jax")
     from arrayattn._backends import get_array_backend
-    from arrayattn.report import _Compiled, _implied_matrix
+    from arrayattn.report_calls import Compiled, implied_matrix
     rec = arrayattn.get_variant(name)
     rng = np.random.default_rng(0)
     hq, hk = (rng.standard_normal((1, 3, 40, 8)) for _ in range(2))
     v_shape = (1, 3, 40, 6)          # 40 columns in blocks of 6: the last one partial
-    want = _implied_matrix(get_array_backend("numpy", "float64"), rec, hq, hk, v_shape,
+    want = implied_matrix(get_array_backend("numpy", "float64"), rec, hq, hk, v_shape,
                            "float64")
     be = get_array_backend("jax", "float32")
-    got = _implied_matrix(be, _Compiled(be)(rec), hq, hk, v_shape, "float32")
+    got = implied_matrix(be, Compiled(be)(rec), hq, hk, v_shape, "float32")
     assert got.shape == want.shape == (1, 1, 40, 40)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
@@ -338,10 +338,10 @@ def test_compiled_ahead_once_per_shape():
     left to fail in its own row."""
     jax = pytest.importorskip("jax")
     from arrayattn._backends import get_array_backend
-    from arrayattn.report import _Compiled
+    from arrayattn.report_calls import Compiled
 
     be = get_array_backend("jax", "float32")
-    compiled = _Compiled(be)
+    compiled = Compiled(be)
     good = [arrayattn.get_variant(n) for n in ("softmax", "retention", "local")]
 
     def broken(q, k, v):

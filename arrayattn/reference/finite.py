@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-__all__ = ["nonfinite_rows", "drop_nonfinite", "seen_by_prefix", "poison_rows",
+__all__ = ["nonfinite_rows", "nonfinite_as_nan", "drop_nonfinite", "seen_by_prefix", "poison_rows",
            "poisoned_logits", "poison_prefix_grads"]
 
 
@@ -31,12 +31,18 @@ def nonfinite_rows(*arrays):
     xp = array_namespace(*arrays)
     bad = None
     for x in arrays:
-        # x - x is NaN exactly where x is not finite (0 elsewhere), so a row's sum of it
-        # is NaN exactly when the row holds a NaN or an infinity: ~all(isfinite(x)), as a
-        # float sum (a boolean reduction is a costly kernel for XLA to compile on the CPU)
-        row = xp.isnan(xp.sum(x - x, axis=-1))
+        # ~all(isfinite(x)) as a float sum, NaN exactly when the row holds a non-finite
+        # (a boolean reduction is a costly kernel for XLA to compile on the CPU)
+        row = xp.isnan(xp.sum(nonfinite_as_nan(x), axis=-1))
         bad = row if bad is None else (bad | row)
     return bad
+
+
+def nonfinite_as_nan(x):
+    """0 where ``x`` is finite, NaN where it is not: selected, never computed from ``x``
+    (``inf - inf`` would be the same NaN, with NumPy's "invalid value" warning)."""
+    xp = array_namespace(x)
+    return xp.where(xp.isfinite(x), 0.0, xp.full_like(x, xp.nan))
 
 
 def drop_nonfinite(bad, *arrays):

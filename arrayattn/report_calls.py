@@ -1,0 +1,134 @@
+"""How the report calls a variant on a backend: one prepared call per variant (``jax.jit``
+on JAX, compiled ahead for every input shape), timed calls with the peak memory of one,
+and the implied attention matrix of the first head read through the prepared call."""
+from __future__ import annotations
+
+import math
+import time
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ._xp import to_numpy
+from .registry import Variant, attention_matrix
+
+__all__ = ["on_host", "Compiled", "implied_matrix", "compiles", "timed"]
+
+
+def on_host(x):
+    """``x`` as a host float64 NumPy array."""
+    return np.asarray(to_numpy(x), dtype=np.float64)
+
+
+class Compiled:
+    """One prepared call per variant (``jax.jit`` on JAX), kept for the whole report:
+    JAX compiles it once per input shape, however many cases and calls use it."""
+
+    def __init__(self, be):
+        self.be, self.calls = be, {}
+
+    def __call__(self, rec):
+        if rec.name not in self.calls:
+            self.calls[rec.name] = self.be.compile(lambda q, k, v: rec(q, k, v))
+        return self.calls[rec.name]
+
+    def ahead(self, recs, inputs, workers: int = 2):
+        """Compile every variant of ``recs`` for every input triple of ``inputs`` before
+        anything is timed, ``workers`` programs at a time (XLA compiles outside Python's
+        lock, so one program traces while another compiles); the timed calls then find
+        them in ``jax.jit``'s cache.  A variant that fails here fails again in its row,
+        where the error is reported."""
+        if not compiles(self.be):
+            return
+        jobs = [(self(rec), args) for rec in recs for args in inputs]
+
+        def compile_one(job):
+            call, args = job
+            try:
+                call.lower(*args).compile()
+            except Exception:  # reported by the row's own call
+                pass
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(compile_one, jobs))
+
+
+def implied_matrix(be, call, hq, hk, v_shape, dtype):
+    """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``.
+
+    Where calls are compiled (JAX), through the variant's compiled call on ``v``'s shape
+    -- no program of another shape to compile: the first head's ``q, k`` in every head
+    slot, each slot carrying its own block of the identity's columns, so that one call
+    gives ``slots x dv`` columns.  The first call carries block 0 in every slot: a variant
+    whose heads are not alike (per-head decays, gates drawn per head) answers differently
+    in its slots, and then each call gives slot 0's ``dv`` columns.  Elsewhere one call
+    on ``I_s``."""
+    if not compiles(be):
+        return on_host(attention_matrix(call, be.asarray(hq[:1, :1], dtype),
+                                      be.asarray(hk[:1, :1], dtype)))
+    s, dv, n = v_shape[-2], v_shape[-1], hq.shape[-2]
+    slots = math.prod(v_shape[:-2])
+    q0, k0 = (be.asarray(np.broadcast_to(x[:1, :1], x.shape), dtype) for x in (hq, hk))
+    eye = np.eye(s)
+
+    def columns(starts):
+        block = np.zeros((slots, s, dv))
+        for slot, j0 in enumerate(starts):
+            block[slot, :, :min(dv, s - j0)] = eye[:, j0:j0 + dv]
+        out = call(q0, k0, be.asarray(np.reshape(block, v_shape), dtype))
+        return np.reshape(on_host(out), (slots, n, dv))
+
+    first = columns([0] * slots)
+    alike = np.allclose(first, first[:1], rtol=1e-4, atol=1e-6 * np.abs(first[0]).max())
+    cols = {0: first[0]}
+    rest = list(range(dv, s, dv))
+    step = slots if alike else 1
+    for c0 in range(0, len(rest), step):
+        starts = rest[c0:c0 + step]
+        out = columns(starts + [0] * (slots - len(starts)) if alike else starts * slots)
+        cols.update({j0: out[slot] for slot, j0 in enumerate(starts)})
+    a = np.concatenate([cols[j0][:, :min(dv, s - j0)] for j0 in sorted(cols)], axis=-1)
+    return a[None, None]
+
+
+def _identity(fn):
+    return fn
+
+
+def compiles(be) -> bool:
+    """Whether the backend compiles its timed calls (``jax.jit``)."""
+    return be.compile(_identity) is not _identity
+
+
+def timed(be, call, q, k, v, repeats):
+    """Warm-up call (peak memory measured on it; on JAX it compiles ``call``'s
+    ``jax.jit`` for these shapes unless an earlier call did), then ``repeats`` timed
+    calls.  ``call``: a prepared call, or a registry record (prepared here)."""
+    if isinstance(call, Variant):
+        call = Compiled(be)(call)
+    traced = be.memory == "tracemalloc"
+    if traced:
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+    be.reset_peak()
+    try:
+        out = call(q, k, v)
+        be.sync(out)
+    finally:
+        if traced:
+            peak = tracemalloc.get_traced_memory()[1] - base
+            if not was_tracing:
+                tracemalloc.stop()
+    if not traced:
+        peak = be.peak_bytes()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = call(q, k, v)
+        be.sync(res)
+        times.append(time.perf_counter() - t0)
+    return out, times, peak
