@@ -20,6 +20,7 @@ from ._validate import (Problem, check_band, check_choice, check_flag, check_key
 from ._validate_sparse import check_level2
 from ._xp import xp_from_host
 from .pipeline import Spec, Working, run
+from .reference.indexing import take_in_bounds
 from .reference.masks import zero_masked_keys
 from .sparse.executor import block_sparse_attention
 from .sparse.layout import BlockLayout, num_blocks
@@ -64,11 +65,11 @@ def pool_keys(xp, x, start, end, kind: str, key_mask, *, device):
     idx = np.minimum(offs, x.shape[-2] - 1).reshape(-1)
     m = start.size
     idx = host_indices(xp, idx, device)
-    g = xp.take(x, idx, axis=x.ndim - 2)
+    g = take_in_bounds(x, idx, axis=x.ndim - 2)
     g = xp.reshape(g, (*x.shape[:-2], m, kappa, x.shape[-1]))      # (..., m, kappa, c)
     keep = xp.expand_dims(host_indices(xp, inside, device), axis=-1) > 0   # (m, kappa, 1)
     if key_mask is not None:
-        kmg = xp.take(key_mask, idx, axis=key_mask.ndim - 1)
+        kmg = take_in_bounds(key_mask, idx, axis=key_mask.ndim - 1)
         kmg = xp.reshape(kmg, (*key_mask.shape[:-1], m, kappa, 1))
         keep = keep & kmg
     count = xp.sum(xp.astype(keep, x.dtype), axis=-2)              # (..., m, 1)

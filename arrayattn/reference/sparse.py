@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
+from .indexing import take_in_bounds
 from .masks import attend, log_total, merge_partials
 
 __all__ = ["sparse_attention", "gathered_attention", "merge_attention"]
@@ -35,8 +36,10 @@ def gathered_attention(q, k, v, idx, allowed, bias=None):
     xp = array_namespace(q, k, v)
     g, r = idx.shape
     flat = xp.reshape(idx, (g * r,))
-    kc = xp.reshape(xp.take(k, flat, axis=k.ndim - 3), (*k.shape[:-3], g, r * k.shape[-2], -1))
-    vc = xp.reshape(xp.take(v, flat, axis=v.ndim - 3), (*v.shape[:-3], g, r * v.shape[-2], -1))
+    kc = xp.reshape(take_in_bounds(k, flat, axis=k.ndim - 3),
+                    (*k.shape[:-3], g, r * k.shape[-2], -1))
+    vc = xp.reshape(take_in_bounds(v, flat, axis=v.ndim - 3),
+                    (*v.shape[:-3], g, r * v.shape[-2], -1))
     scores = q @ xp.matrix_transpose(kc)
     return attend(scores if bias is None else scores + bias, vc, allowed)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace
 
 from .exact_vjp import attention_vjp, tile_backward
+from .indexing import take_in_bounds
 from .logits import Logits
 
 __all__ = ["sparse_attention_vjp", "gathered_attention_dq", "gathered_attention_dkv",
@@ -60,7 +61,7 @@ def take_blocks(x, idx):
     xp = array_namespace(x, idx)
     g, r = idx.shape
     flat = xp.reshape(idx, (g * r,))
-    return xp.reshape(xp.take(x, flat, axis=x.ndim - 3),
+    return xp.reshape(take_in_bounds(x, flat, axis=x.ndim - 3),
                       (*x.shape[:-3], g, r * x.shape[-2], x.shape[-1]))
 
 

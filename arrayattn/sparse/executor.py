@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import reference
 from .._numpy.sparse import map_chunks
+from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
 from .tiles import PER_KEY, blocked, host_indices, mask_from, mask_tables, tile_bias_at, tile_mask
 
@@ -51,7 +52,7 @@ class Gathered:
 
     def take(self, x, blocks):
         """The host block indices ``blocks (G,)`` of a blocked ``x (..., K, b, c)``."""
-        return self.xp.take(x, host_indices(self.xp, blocks, self.device), axis=x.ndim - 3)
+        return take_in_bounds(x, host_indices(self.xp, blocks, self.device), axis=x.ndim - 3)
 
     def span(self, rows, idx, valid):
         """One span of a query-major chunk: query blocks ``rows (G,)`` against key blocks
@@ -69,7 +70,7 @@ class Gathered:
         km = self.key_mask
         if km is None:
             return allowed
-        kmc = self.xp.take(km, self.xp.reshape(idx, (-1,)), axis=km.ndim - 3)
+        kmc = take_in_bounds(km, self.xp.reshape(idx, (-1,)), axis=km.ndim - 3)
         return allowed & self.xp.reshape(kmc, (*kmc.shape[:-3], idx.shape[0], 1,
                                                idx.shape[1] * kmc.shape[-2]))
 
@@ -149,7 +150,7 @@ def in_block_order(xp, parts, chunks, axis: int, device):
         return out
     inv = np.empty_like(perm)
     inv[perm] = np.arange(perm.size)
-    return xp.take(out, host_indices(xp, inv, device), axis=out.ndim + axis)
+    return take_in_bounds(out, host_indices(xp, inv, device), axis=out.ndim + axis)
 
 
 def unblock(xp, x, count: int):
@@ -222,7 +223,7 @@ def scanned_group(g: Gathered, group, per_slot: int, per_row: int, budget: int):
 
     def chunk(_, *tables):
         c = dict(zip(names, tables))
-        qc = xp.take(g.q, c["rows"], axis=g.q.ndim - 3)
+        qc = take_in_bounds(g.q, c["rows"], axis=g.q.ndim - 3)
 
         def attend(*tiles):
             tile = {**c, **dict(zip(per_part, tiles))}

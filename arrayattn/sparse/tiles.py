@@ -6,6 +6,7 @@ import array_api_compat
 import numpy as np
 
 from .._xp import xp_from_host
+from ..reference.indexing import take_in_bounds
 
 __all__ = ["host_indices", "tile_mask", "mask_tables", "mask_from", "PER_KEY", "tile_bias",
            "tile_bias_at", "blocked"]
@@ -112,7 +113,7 @@ def tile_bias_at(xp, bias, rows, kpos, layout):
     index = xp.__array_namespace_info__().default_dtypes(device=dev)["indexing"]  # torch: int64
     ar = xp.arange(b, dtype=index, device=dev)
     qrows = xp.minimum(xp.astype(rows, index)[:, None] * b + ar, n - 1)       # (G, b)
-    rb = xp.take(bias, xp.reshape(qrows, (-1,)), axis=bias.ndim - 2)
+    rb = take_in_bounds(bias, xp.reshape(qrows, (-1,)), axis=bias.ndim - 2)
     rb = xp.reshape(rb, (*rb.shape[:-2], rows.shape[0], b, s))
     cols = xp.minimum(xp.astype(kpos, index), s - 1)[:, None, :]             # (G, 1, K)
     return xp.take_along_axis(rb, xp.broadcast_to(cols, (*rb.shape[:-1], kpos.shape[-1])),
