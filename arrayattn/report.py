@@ -267,7 +267,9 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
                 else:
                     row.row_sum_dev = float(np.abs(on_host(call(q, k, ones)) - 1.0).max())
                 if exact_a is not None and getattr(rec, "linear_in_v", True):
-                    a = implied_matrix(be, call, host[0], host[1], host[2].shape, w.dtype)
+                    a, compiled.alike[rec.name] = implied_matrix(
+                        be, call, host[0], host[1], host[2].shape, w.dtype,
+                        compiled.alike.get(rec.name))
                     row.matrix_error = float(np.abs(a - exact_a).sum(axis=-1).max())
             except Exception as exc:  # keep going: one broken variant must not hide the rest
                 row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]

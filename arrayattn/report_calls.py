@@ -27,6 +27,8 @@ class Compiled:
 
     def __init__(self, be):
         self.be, self.calls = be, {}
+        #: whether each variant's heads are alike (:func:`implied_matrix`), by name
+        self.alike = {}
 
     def __call__(self, rec):
         if rec.name not in self.calls:
@@ -54,19 +56,21 @@ class Compiled:
             list(pool.map(compile_one, jobs))
 
 
-def implied_matrix(be, call, hq, hk, v_shape, dtype):
-    """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``.
+def implied_matrix(be, call, hq, hk, v_shape, dtype, alike=None):
+    """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``, and
+    whether the variant's heads are alike (``None`` where that was not needed).
 
     Where calls are compiled (JAX), through the variant's compiled call on ``v``'s shape
     -- no program of another shape to compile: the first head's ``q, k`` in every head
     slot, each slot carrying its own block of the identity's columns, so that one call
-    gives ``slots x dv`` columns.  The first call carries block 0 in every slot: a variant
-    whose heads are not alike (per-head decays, gates drawn per head) answers differently
-    in its slots, and then each call gives slot 0's ``dv`` columns.  Elsewhere one call
-    on ``I_s``."""
+    gives ``slots x dv`` columns.  A variant whose heads are not alike (per-head decays,
+    gates drawn per head) answers differently in its slots, and then each call gives slot
+    0's ``dv`` columns.  ``alike=None`` finds out with a first call that carries block 0
+    in every slot; pass what an earlier case found to save it.  Elsewhere one call on
+    ``I_s``."""
     if not compiles(be):
         return on_host(attention_matrix(call, be.asarray(hq[:1, :1], dtype),
-                                      be.asarray(hk[:1, :1], dtype)))
+                                        be.asarray(hk[:1, :1], dtype))), None
     s, dv, n = v_shape[-2], v_shape[-1], hq.shape[-2]
     slots = math.prod(v_shape[:-2])
     q0, k0 = (be.asarray(np.broadcast_to(x[:1, :1], x.shape), dtype) for x in (hq, hk))
@@ -79,17 +83,19 @@ def implied_matrix(be, call, hq, hk, v_shape, dtype):
         out = call(q0, k0, be.asarray(np.reshape(block, v_shape), dtype))
         return np.reshape(on_host(out), (slots, n, dv))
 
-    first = columns([0] * slots)
-    alike = np.allclose(first, first[:1], rtol=1e-4, atol=1e-6 * np.abs(first[0]).max())
-    cols = {0: first[0]}
-    rest = list(range(dv, s, dv))
+    cols, rest = {}, list(range(0, s, dv))
+    if alike is None:
+        first = columns([0] * slots)
+        alike = bool(np.allclose(first, first[:1], rtol=1e-4,
+                                 atol=1e-6 * np.abs(first[0]).max()))
+        cols, rest = {0: first[0]}, rest[1:]
     step = slots if alike else 1
     for c0 in range(0, len(rest), step):
         starts = rest[c0:c0 + step]
         out = columns(starts + [0] * (slots - len(starts)) if alike else starts * slots)
         cols.update({j0: out[slot] for slot, j0 in enumerate(starts)})
     a = np.concatenate([cols[j0][:, :min(dv, s - j0)] for j0 in sorted(cols)], axis=-1)
-    return a[None, None]
+    return a[None, None], alike
 
 
 def _identity(fn):
