@@ -81,34 +81,31 @@ def within_chunks(q, k, v, g):
     gates: ``W_t = sum_(j <= t) (q_t * exp(sum_(j < l <= t) g_l)) . k_j v_j``, and the log
     decays ``G_t = sum_(l <= t) g_l`` (chunk start -> ``t``) and ``A_j = sum_(l > j) g_l``
     (``j`` -> chunk end).  By halving: each pair ``j < t`` is split at exactly one level
-    into a left half (``j``) and a right half (``t``) of a block of ``2h`` tokens that
-    meet at the pivot ``p``, the left half's last token, where the decay factors as
-    ``exp(sum_(p < l <= t) g) exp(sum_(j < l <= p) g)``, both ``<= 1`` and each a sum
-    inside its own half; one matmul per level covers the block's pairs, masked to those
-    split there.  The sums inside the halves are built from those of the level below by
-    adding the neighbour half's total (no cumulative sum: under ``jax.jit`` each is a tree
-    of reduce-windows, and whole blocks compile to fewer kernels than their quadrants)."""
+    into a left half (``j``) and a right half (``t``) that meet at the pivot ``p``, the
+    left half's last token, where the decay factors as ``exp(sum_(p < l <= t) g)
+    exp(sum_(j < l <= p) g)``, both ``<= 1`` and each a sum inside its own half; one
+    matmul per level covers all such pairs.  The sums inside blocks of ``h`` tokens are
+    built from those of ``h / 2`` by adding a neighbour block's total (no cumulative sum:
+    under ``jax.jit`` each is a tree of reduce-windows, and the compile time with it)."""
     xp = array_namespace(q, k, v, g)
     c = q.shape[-2]
     out = xp.sum(q * k, axis=-1, keepdims=True) * v                  # j = t: no decay
-    up, after = g, xp.zeros_like(g)      # h = 1: sum_(b <= l <= t) g, sum_(j < l <= e) g
+    up, after = g, xp.zeros_like(g)      # blocks of h = 1: sum_(b <= l <= t), sum_(j < l <= e)
     h = 1
     while h < c:
-        qb, kb, vb, ub, ab = (xp.reshape(x, (*x.shape[:-2], c // (2 * h), 2 * h,
-                                             x.shape[-1])) for x in (q, k, v, up, after))
-        a = (qb * xp.exp(ub)) @ xp.matrix_transpose(kb * xp.exp(ab))       # p->t, j->p
-        i = xp.arange(2 * h, device=device(q))
-        split_here = (i[:, None] >= h) & (i[None, :] < h)          # t right, j left
-        out = out + xp.reshape(xp.where(split_here, a, 0.0) @ vb, out.shape)
-        # halves of h -> blocks of 2h: the right half's sums gain the left half's total
-        # (its last up), the left half's the right half's
-        halves = (*g.shape[:-2], c // (2 * h), 2, h, g.shape[-1])
-        total = xp.reshape(up, halves)[..., -1:, :]
-        zero = xp.zeros_like(total[..., :1, :, :])
-        up = xp.reshape(xp.reshape(up, halves)
-                        + xp.concat([zero, total[..., :1, :, :]], axis=-3), g.shape)
-        after = xp.reshape(xp.reshape(after, halves)
-                           + xp.concat([total[..., 1:, :, :], zero], axis=-3), g.shape)
+        qs, ks, vs, ups, afters = (xp.reshape(x, (*x.shape[:-2], c // (2 * h), 2, h,
+                                                  x.shape[-1])) for x in (q, k, v, up, after))
+        to_t = xp.exp(ups[..., 1, :, :])                                     # p -> t
+        to_p = xp.exp(afters[..., 0, :, :])                                  # j -> p
+        a = (qs[..., 1, :, :] * to_t) @ xp.matrix_transpose(ks[..., 0, :, :] * to_p)
+        add = a @ vs[..., 0, :, :]
+        out = out + xp.reshape(xp.stack([xp.zeros_like(add), add], axis=-3), out.shape)
+        # blocks of 2h: the right half's sums gain the left half's total, and vice versa
+        left_total, right_total = ups[..., 0, -1:, :], ups[..., 1, -1:, :]
+        up = xp.reshape(xp.stack([ups[..., 0, :, :], ups[..., 1, :, :] + left_total],
+                                 axis=-3), g.shape)
+        after = xp.reshape(xp.stack([afters[..., 0, :, :] + right_total,
+                                     afters[..., 1, :, :]], axis=-3), g.shape)
         h *= 2
     return out, up, after
 
