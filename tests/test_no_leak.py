@@ -200,3 +200,26 @@ def test_backward_earlier_rows_never_see_a_bad_future_token(rec, rng):
                       rec.family in ("kernel", "random_features", "gated"))
     np.testing.assert_array_equal(dirty["q"][~seen], clean["q"][~seen])
     assert np.isnan(dirty["q"][seen]).any(axis=-1).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_nonfinite_rows(backend, dtype):
+    """``nonfinite_rows`` flags exactly the rows that hold a NaN, +inf or -inf in any of
+    its arrays: not a row of finite values near the dtype's largest (whose sum would
+    overflow), and no row of an array with no columns."""
+    from arrayattn.reference import nonfinite_rows
+
+    big = float(np.finfo(dtype).max)
+    x = np.zeros((2, 6, 3))
+    x[0, 1, 2], x[0, 2, 0], x[1, 3, 1] = np.nan, np.inf, -np.inf
+    x[1, 4, :] = big                                   # finite: sums overflow, |x| does not
+    y = np.zeros((2, 6, 4))
+    y[1, 5, 3] = np.nan
+    want = np.zeros((2, 6), dtype=bool)
+    want[0, 1] = want[0, 2] = want[1, 3] = want[1, 5] = True
+    bx, by = backend.asarray(x, dtype), backend.asarray(y, dtype)
+    np.testing.assert_array_equal(backend.to_numpy(nonfinite_rows(bx, by)), want)
+    np.testing.assert_array_equal(backend.to_numpy(nonfinite_rows(bx)), want & (
+        np.arange(6) != 5))
+    empty = backend.to_numpy(nonfinite_rows(backend.asarray(np.zeros((2, 6, 0)), dtype)))
+    assert empty.shape == (2, 6) and not empty.any()

@@ -31,9 +31,10 @@ def nonfinite_rows(*arrays):
     xp = array_namespace(*arrays)
     bad = None
     for x in arrays:
-        # ~all(isfinite(x)) as a float sum, NaN exactly when the row holds a non-finite
-        # (a boolean reduction is a costly kernel for XLA to compile on the CPU)
-        row = xp.isnan(xp.sum(nonfinite_as_nan(x), axis=-1))
+        # ~all(isfinite(x)) as one float reduction: the largest |x_jc| is infinite or
+        # NaN (max propagates NaN) exactly when the row holds a non-finite
+        row = (~xp.isfinite(xp.max(xp.abs(x), axis=-1)) if x.shape[-1]
+               else xp.zeros(x.shape[:-1], dtype=xp.bool, device=device(x)))
         bad = row if bad is None else (bad | row)
     return bad
 
