@@ -159,3 +159,24 @@ def test_bench_gpu_runs_on_the_cpu(tmp_path):
             assert r["rel_diff_vs_numpy"] < 1e-4, r
         assert "ms" in r or "note" in r
     assert any("skipped" in r.get("note", "") for r in rows if r["backend"] == "cupy")
+
+
+def test_sparse_chunks_smoke(tmp_path):
+    """benchmarks/sparse_chunks.py on a tiny problem: one row per budget, the budget put
+    back afterwards, and the budgets really differ (the smaller one cuts more chunks)."""
+    import arrayattn._devices as devices
+
+    spec = importlib.util.spec_from_file_location(
+        "sparse_chunks", os.path.join(ROOT, "benchmarks", "sparse_chunks.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    chosen = devices.CPU_CHUNK
+    mod.main(["--variants", "local", "--sizes", "256", "--budgets", "10,20", "--heads", "2",
+              "--repeats", "1", "--out", str(tmp_path / "sc")])
+    assert devices.CPU_CHUNK == chosen
+    rows = json.loads((tmp_path / "sc.json").read_text())["rows"]
+    assert [r["budget"] for r in rows] == [10, 20]
+    assert all(r["numpy_ms"] > 0 and r["numpy_peak_mb"] > 0 for r in rows)
+    if "loops" in rows[0]:
+        assert rows[0]["loops"] >= rows[1]["loops"]
+    assert (tmp_path / "sc.md").read_text().count("| local |") == 2

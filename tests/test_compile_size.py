@@ -103,9 +103,7 @@ def test_sparse_chunks_and_parts(name, monkeypatch):
     """The scanned block-sparse executor with a budget of a few key blocks: every group
     of its plan is a scan over many chunks of query blocks and, inside, over parts of
     their key blocks (merged by log-sum-exp) -- still one loop body each."""
-    import arrayattn.sparse.executor as executor
-
-    monkeypatch.setattr(executor, "_CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(arrayattn._devices, "CPU_CHUNK", 1 << 12)
     _assert_flat([_ops(SPARSE[name], *[(1, 2, n, 16)] * 3) for n in SIZES])
 
 

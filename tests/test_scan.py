@@ -233,13 +233,12 @@ def _sparse_budget_case(monkeypatch, budget: int, *, seed: int):
     part (3: parts of 3 key blocks; 30: chunks of 4 query blocks), and its inputs
     ``(q, k, v, bias, key_mask)`` with batch 2."""
     import arrayattn
-    import arrayattn.sparse.executor as sparse_mod
 
     lay = arrayattn.bigbird_layout(80, block_size=4, num_random_blocks=2, seed=1,
                                    causal=True)
     b, batch, d = 4, 2, 6
     per_slot = batch * (b * b + b * (d + d))
-    monkeypatch.setattr(sparse_mod, "_CHUNK_ELEMENTS", budget * per_slot + 1)
+    monkeypatch.setattr(arrayattn._devices, "CPU_CHUNK", budget * per_slot + 1)
     rng = np.random.default_rng(seed)
     q, k, v = _qkv(rng, n=80, d=d, dv=d, batch=(batch,))
     return lay, (q, k, v, rng.standard_normal((batch, 80, 80)), rng.random((batch, 80)) < 0.8)

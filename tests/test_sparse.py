@@ -274,7 +274,7 @@ class TestSparseAttention:
     def test_many_chunks_and_groups(self, backend, rng, monkeypatch):
         # A tiny chunk budget: one query block per chunk, groups processed out of order
         # and put back by the inverse permutation.
-        monkeypatch.setattr(sparse_mod.executor, "_CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(arrayattn._devices, "CPU_CHUNK", 1)
         monkeypatch.setattr(sparse_mod.layout, "_GROUP_OVERHEAD", 0)
         q, k, v = make_qkv(rng, batch=(2,), n=N, d=16, dv=3, norm=6.0)
         lay = PATTERNS["bigbird"](False)

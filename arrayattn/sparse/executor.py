@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
+from .._devices import chunk_elements
 from .._numpy.sparse import map_chunks
 from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
@@ -27,10 +28,6 @@ from .tiles import PER_KEY, blocked, host_indices, mask_from, mask_tables, tile_
 
 __all__ = ["block_sparse_attention", "scanned_group", "plan_work", "Gathered", "gathered",
            "cut_chunks", "spans", "in_block_order", "unblock"]
-
-#: Elements of the score tile plus gathered keys/values processed at once (per chunk of
-#: query blocks); bounds the working memory at a few hundred MB in float32.
-_CHUNK_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,12 +171,12 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
     g = gathered(p, q, k, v, layout, causal=causal, key_mask=key_mask, bias=bias)
     b, batch = layout.block_size, math.prod(p.batch)
     per_slot, per_row = batch * (b * b + b * (p.d + p.dv)), batch * b * (p.d + p.dv)
+    budget = chunk_elements(q)       # the score tiles and gathered rows of one chunk
     if not threads:
         groups = layout.scan_plan
-        outs = [scanned_group(g, group, per_slot, per_row, _CHUNK_ELEMENTS)
-                for group in groups]
+        outs = [scanned_group(g, group, per_slot, per_row, budget) for group in groups]
         return unblock(xp, in_block_order(xp, outs, groups, -3, p.device), p.n)
-    chunks = cut_chunks(layout.plan, per_slot, per_row, _CHUNK_ELEMENTS)
+    chunks = cut_chunks(layout.plan, per_slot, per_row, budget)
 
     def attend_chunk(chunk):
         rows, idx, valid, span = chunk
