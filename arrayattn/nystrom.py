@@ -255,13 +255,13 @@ def _finite(form, call: NystromCall, w: Working):
     anything)."""
     xp = call.p.xp
     real_q = w.q if call.query_mask is None else xp.where(call.query_mask[..., None], w.q, 0.0)
-    # a float sum over every real token, NaN exactly when one is bad (a boolean any
-    # is a costly XLA CPU kernel)
-    bad = xp.isnan(sum(xp.sum(reference.nonfinite_as_nan(x), axis=(-2, -1))
-                       for x in (real_q, w.k, w.v)))
-    # Then every row is NaN whatever the others hold: the bad entries are zeroed (where,
-    # not a product), not their rows.
-    q, k, v = (xp.where(xp.isfinite(x), x, 0.0) for x in (w.q, w.k, w.v))
+    bad = (reference.nonfinite_over(real_q, (-2, -1)) | reference.nonfinite_over(w.k, (-2, -1))
+           | reference.nonfinite_over(w.v, (-2, -1)))
+    # Then every row is NaN whatever the others hold: a bad call's inputs are zeroed
+    # (where, not a product); a good one's are finite but for masked queries, which may
+    # hold anything.
+    q = w.q if call.query_mask is None else xp.where(xp.isfinite(w.q), w.q, 0.0)
+    q, k, v = (xp.where(bad[..., None, None], 0.0, x) for x in (q, w.k, w.v))
     out = form(q, k, v, **call.options)
     if call.conv_kernel is not None:
         out = out + reference.depthwise_conv(v, call.conv_kernel, call.key_mask)

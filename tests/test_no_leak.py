@@ -206,8 +206,9 @@ def test_backward_earlier_rows_never_see_a_bad_future_token(rec, rng):
 def test_nonfinite_rows(backend, dtype):
     """``nonfinite_rows`` flags exactly the rows that hold a NaN, +inf or -inf in any of
     its arrays: not a row of finite values near the dtype's largest (whose sum would
-    overflow), and no row of an array with no columns."""
-    from arrayattn.reference import nonfinite_rows
+    overflow), and no row of an array with no columns; ``nonfinite_over`` the same over
+    other axes."""
+    from arrayattn.reference import nonfinite_over, nonfinite_rows
 
     big = float(np.finfo(dtype).max)
     x = np.zeros((2, 6, 3))
@@ -223,3 +224,7 @@ def test_nonfinite_rows(backend, dtype):
         np.arange(6) != 5))
     empty = backend.to_numpy(nonfinite_rows(backend.asarray(np.zeros((2, 6, 0)), dtype)))
     assert empty.shape == (2, 6) and not empty.any()
+    whole = backend.to_numpy(nonfinite_over(by, (-2, -1)))        # per batch element
+    np.testing.assert_array_equal(whole, [False, True])
+    np.testing.assert_array_equal(backend.to_numpy(nonfinite_over(bx, (0, -1))),
+                                  want.any(axis=0) & (np.arange(6) != 5))

@@ -21,29 +21,32 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-__all__ = ["nonfinite_rows", "nonfinite_as_nan", "drop_nonfinite", "seen_by_prefix", "poison_rows",
+__all__ = ["nonfinite_rows", "nonfinite_over", "drop_nonfinite", "seen_by_prefix", "poison_rows",
            "poisoned_logits", "poison_prefix_grads"]
 
 
 def nonfinite_rows(*arrays):
     """``(..., s)`` bool: token ``j`` holds a NaN or an infinity in any of ``arrays``
     (each ``(..., s, c)``; the results broadcast)."""
-    xp = array_namespace(*arrays)
     bad = None
     for x in arrays:
-        # ~all(isfinite(x)) as one float reduction: the largest |x_jc| is infinite or
-        # NaN (max propagates NaN) exactly when the row holds a non-finite
-        row = (~xp.isfinite(xp.max(xp.abs(x), axis=-1)) if x.shape[-1]
-               else xp.zeros(x.shape[:-1], dtype=xp.bool, device=device(x)))
+        row = nonfinite_over(x, (-1,))
         bad = row if bad is None else (bad | row)
     return bad
 
 
-def nonfinite_as_nan(x):
-    """0 where ``x`` is finite, NaN where it is not: selected, never computed from ``x``
-    (``inf - inf`` would be the same NaN, with NumPy's "invalid value" warning)."""
+def nonfinite_over(x, axis: tuple):
+    """bool: ``x`` holds a NaN or an infinity along the axes ``axis`` (``False`` where
+    they are empty)."""
     xp = array_namespace(x)
-    return xp.where(xp.isfinite(x), 0.0, xp.full_like(x, xp.nan))
+    axes = {a % x.ndim for a in axis}
+    if any(x.shape[a] == 0 for a in axes):
+        return xp.zeros(tuple(m for a, m in enumerate(x.shape) if a not in axes),
+                        dtype=xp.bool, device=device(x))
+    # ~all(isfinite(x)) as one float reduction: the largest |x| is infinite, or NaN (max
+    # propagates NaN), exactly when a non-finite is there.  A boolean reduction, or a
+    # sum of NaNs selected by isfinite, is a costly XLA CPU kernel to compile.
+    return ~xp.isfinite(xp.max(xp.abs(x), axis=tuple(axes)))
 
 
 def drop_nonfinite(bad, *arrays):
