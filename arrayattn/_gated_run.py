@@ -28,7 +28,7 @@ def prepared(call: GatedCall, w: Working) -> tuple:
     if key_mask is not None:
         g = xp.where(key_mask[..., None], g, 0.0)
         beta = None if beta is None else xp.where(key_mask, beta, 0.0)
-    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1)
+    bad = reference.nonfinite_rows(wk, wv) | reference.nan_over(g, (-1,))
     if beta is not None:
         bad = bad | ~xp.isfinite(beta)
         beta = xp.where(bad, 0.0, beta)

@@ -207,8 +207,8 @@ def test_nonfinite_rows(backend, dtype):
     """``nonfinite_rows`` flags exactly the rows that hold a NaN, +inf or -inf in any of
     its arrays: not a row of finite values near the dtype's largest (whose sum would
     overflow), and no row of an array with no columns; ``nonfinite_over`` the same over
-    other axes."""
-    from arrayattn.reference import nonfinite_over, nonfinite_rows
+    other axes, ``nan_over`` for NaNs alone."""
+    from arrayattn.reference import nan_over, nonfinite_over, nonfinite_rows
 
     big = float(np.finfo(dtype).max)
     x = np.zeros((2, 6, 3))
@@ -228,3 +228,7 @@ def test_nonfinite_rows(backend, dtype):
     np.testing.assert_array_equal(whole, [False, True])
     np.testing.assert_array_equal(backend.to_numpy(nonfinite_over(bx, (0, -1))),
                                   want.any(axis=0) & (np.arange(6) != 5))
+    # nan_over: NaNs only (a gate of -inf is a full decay, not an error)
+    np.testing.assert_array_equal(backend.to_numpy(nan_over(bx, (-1,))),
+                                  np.isnan(x).any(axis=-1))
+    assert not backend.to_numpy(nan_over(backend.asarray(np.zeros((3, 0)), dtype), (-1,))).any()

@@ -44,7 +44,7 @@ def _delta_vjp(call: GatedCall, q, k, v, do, args: dict):
         beta = xp.where(km, beta, 0.0)
     # the forward's rule (_gated_run.prepared): a bad token is dropped, the rows from it on
     # are NaN
-    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(g), axis=-1) | ~xp.isfinite(beta)
+    bad = reference.nonfinite_rows(wk, wv) | reference.nan_over(g, (-1,)) | ~xp.isfinite(beta)
     wk, wv = reference.drop_nonfinite(bad, wk, wv)
     g, beta = xp.where(bad[..., None], 0.0, g), xp.where(bad, 0.0, beta)
     rq, rk = wq, wk                                     # before normalisation

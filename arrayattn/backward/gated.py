@@ -39,7 +39,7 @@ def _gated_vjp(call: GatedCall, q, k, v, do):
         keep = keep & key_mask[..., None]
     # the forward's rule: a token with a non-finite key or value or a NaN gate is dropped
     # and the rows from it on are NaN (reference.finite): their gradients below too
-    bad = reference.nonfinite_rows(wk, wv) | xp.any(xp.isnan(wg), axis=-1)
+    bad = reference.nonfinite_rows(wk, wv) | reference.nan_over(wg, (-1,))
     wk, wv = reference.drop_nonfinite(bad, wk, wv)
     wg = xp.where(bad[..., None], 0.0, wg)
     wdo = xp.astype(do, wd, copy=False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-__all__ = ["nonfinite_rows", "nonfinite_over", "drop_nonfinite", "seen_by_prefix", "poison_rows",
+__all__ = ["nonfinite_rows", "nonfinite_over", "nan_over", "drop_nonfinite", "seen_by_prefix", "poison_rows",
            "poisoned_logits", "poison_prefix_grads"]
 
 
@@ -38,15 +38,26 @@ def nonfinite_rows(*arrays):
 def nonfinite_over(x, axis: tuple):
     """bool: ``x`` holds a NaN or an infinity along the axes ``axis`` (``False`` where
     they are empty)."""
+    # ~all(isfinite(x)) as one float reduction: the largest |x| is infinite, or NaN (max
+    # propagates NaN), exactly when a non-finite is there.  A boolean reduction, or a
+    # sum of NaNs selected by isfinite, is a costly XLA CPU kernel to compile.
     xp = array_namespace(x)
+    return _flag_of_max(xp, xp.abs(x), axis, lambda m: ~xp.isfinite(m))
+
+
+def nan_over(x, axis: tuple):
+    """bool: ``x`` holds a NaN along the axes ``axis`` (infinities allowed; ``False``
+    where the axes are empty): ``any(isnan(x))`` as one float reduction."""
+    xp = array_namespace(x)
+    return _flag_of_max(xp, x, axis, xp.isnan)
+
+
+def _flag_of_max(xp, x, axis: tuple, flag):
     axes = {a % x.ndim for a in axis}
     if any(x.shape[a] == 0 for a in axes):
         return xp.zeros(tuple(m for a, m in enumerate(x.shape) if a not in axes),
                         dtype=xp.bool, device=device(x))
-    # ~all(isfinite(x)) as one float reduction: the largest |x| is infinite, or NaN (max
-    # propagates NaN), exactly when a non-finite is there.  A boolean reduction, or a
-    # sum of NaNs selected by isfinite, is a costly XLA CPU kernel to compile.
-    return ~xp.isfinite(xp.max(xp.abs(x), axis=tuple(axes)))
+    return flag(xp.max(x, axis=tuple(axes)))
 
 
 def drop_nonfinite(bad, *arrays):
