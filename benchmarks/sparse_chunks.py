@@ -6,9 +6,9 @@
 
 Per pattern, ``n`` and budget ``2^b`` elements (:data:`arrayattn._devices.CPU_CHUNK`,
 patched for the run): the uniform call ``rec(q, k, v)`` (``causal=True`` where the record
-supports it) on ``(1, heads, n, 64)`` float32 inputs -- NumPy: the fastest of
+supports it) on ``(1, heads, n, 64)`` float32 inputs -- NumPy: the median of
 ``--repeats`` calls and the traced peak of one; JAX: XLA compile seconds (a fresh
-``jax.jit``), the while loops kept in the compiled program and the fastest call.  The
+``jax.jit``), the while loops kept in the compiled program and the median call.  The
 budget chosen for the CPU is the one at which the calls run fastest across ``n`` without
 more memory; the compiled program then has the same loops at every ``n``
 (``benchmarks/jit_compile.py``).
@@ -33,23 +33,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def measure(rec, n: int, heads: int, repeats: int) -> dict:
     """One configuration at the budget in force: NumPy and ``jax.jit`` numbers."""
     import numpy as np
-    from _measure import traced_peak
+    from _measure import median_time, traced_peak
 
     opts = {"causal": True} if rec.causal else {}
     rng = np.random.default_rng(0)
     q, k, v = (np.asarray(0.3 * rng.standard_normal((1, heads, n, 64)), np.float32)
                for _ in range(3))
-
-    def fastest(call):
-        call()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t)
-        return 1e3 * min(times)
-
-    row = {"numpy_ms": fastest(lambda: rec(q, k, v, **opts)),
+    row = {"numpy_ms": 1e3 * median_time(lambda: rec(q, k, v, **opts), repeats),
            "numpy_peak_mb": traced_peak(lambda: rec(q, k, v, **opts)) / 2**20}
     try:
         import jax
@@ -60,7 +50,8 @@ def measure(rec, n: int, heads: int, repeats: int) -> dict:
     t = time.perf_counter()
     compiled = lowered.compile()
     row.update(compile_s=time.perf_counter() - t, loops=compiled.as_text().count(" while("),
-               jit_ms=fastest(lambda: compiled(jq, jk, jv).block_until_ready()))
+               jit_ms=1e3 * median_time(lambda: compiled(jq, jk, jv).block_until_ready(),
+                                        repeats))
     return row
 
 
@@ -76,7 +67,7 @@ def main(argv=None):
 
     import arrayattn
     import arrayattn._devices as devices
-    from _measure import machine
+    from _measure import machine, write_results
 
     chosen = devices.CPU_CHUNK
     rows = []
@@ -92,26 +83,17 @@ def main(argv=None):
                     devices.CPU_CHUNK = chosen
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    meta = {"machine": machine(), "heads": args.heads, "chosen": chosen.bit_length() - 1,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=2)
-    m = meta["machine"]
-    lines = [f"Machine: {m.get('cpu', '?')}, {m.get('cpus')} cores, load average "
-             f"{tuple(round(x, 1) for x in m.get('load_average', ()))}; {meta['date']}. "
-             f"(1, {args.heads}, n, 64) float32, causal where supported.  The CPU budget "
-             f"in the code: 2^{meta['chosen']} elements.", "",
-             "| variant | n | budget | NumPy ms | NumPy peak MiB | jit ms | jit compile s "
-             "| loops |", "|---|---|---|---|---|---|---|---|"]
+    meta = {"machine": machine(), "heads": args.heads, "repeats": args.repeats,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "workload": f"(1, {args.heads}, n, 64) float32, causal where supported"}
+    columns = [("variant", "variant"), ("n", "n"), ("budget", "log2 budget"),
+               ("in_code", "CPU budget in the code"), ("numpy_ms", "NumPy ms (median)"),
+               ("numpy_peak_mb", "NumPy peak MiB"), ("jit_ms", "jit ms (median)"),
+               ("compile_s", "jit compile s"), ("loops", "loops")]
     for r in rows:
-        jit = (f"{r['jit_ms']:.1f} | {r['compile_s']:.2f} | {r['loops']}" if "jit_ms" in r
-               else "- | - | -")
-        lines.append(f"| {r['variant']} | {r['n']} | 2^{r['budget']} | {r['numpy_ms']:.1f} "
-                     f"| {r['numpy_peak_mb']:.0f} | {jit} |")
-    with open(args.out + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        r["in_code"] = "yes" if 1 << r["budget"] == chosen else ""
+    print(write_results(os.path.basename(args.out), rows, columns, meta,
+                        os.path.dirname(args.out)))
 
 
 if __name__ == "__main__":

@@ -180,3 +180,16 @@ def test_sparse_chunks_smoke(tmp_path):
     if "loops" in rows[0]:
         assert rows[0]["loops"] >= rows[1]["loops"]
     assert (tmp_path / "sc.md").read_text().count("| local |") == 2
+
+
+def test_xla_inner_dim_smoke(tmp_path):
+    """benchmarks/xla_inner_dim.py on two small shapes: a row per kernel and size."""
+    pytest.importorskip("jax")
+    spec = importlib.util.spec_from_file_location(
+        "xla_inner_dim", os.path.join(ROOT, "benchmarks", "xla_inner_dim.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--dims", "8,64", "--rows", "4,8", "--out", str(tmp_path / "x")])
+    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    assert len(rows) == 6 and all(r["compile_s"] > 0 and r["flat_compile_s"] > 0 for r in rows)
+    assert (tmp_path / "x.md").read_text().count("| exp |") == 2
