@@ -232,3 +232,18 @@ def test_nonfinite_rows(backend, dtype):
     np.testing.assert_array_equal(backend.to_numpy(nan_over(bx, (-1,))),
                                   np.isnan(x).any(axis=-1))
     assert not backend.to_numpy(nan_over(backend.asarray(np.zeros((3, 0)), dtype), (-1,))).any()
+
+
+@pytest.mark.parametrize("n, s", [(6, 6), (4, 7), (7, 4), (3, 0)])
+def test_seen_by_prefix(backend, n, s):
+    """``seen_by_prefix``: query ``i`` sees a bad key ``j <= i + s - n`` (end-aligned), as
+    a loop over the keys says."""
+    from arrayattn.reference import seen_by_prefix
+
+    bad = np.zeros((3, s), dtype=bool)
+    if s:
+        bad[0, s - 1], bad[1, s // 2], bad[1, s - 1] = True, True, True
+    want = np.array([[any(bad[b, j] for j in range(s) if j <= i + s - n) for i in range(n)]
+                     for b in range(3)], dtype=bool).reshape(3, n)
+    got = backend.to_numpy(seen_by_prefix(backend.asarray(bad, "bool"), n))
+    np.testing.assert_array_equal(got, want)

@@ -68,6 +68,10 @@ def drop_nonfinite(bad, *arrays):
     return out if len(out) != 1 else out[0]
 
 
+#: Integers up to this are exact in float32.
+_FLOAT32_EXACT = 2 ** 24
+
+
 def seen_by_prefix(bad, n: int):
     """``(..., n)`` bool: query ``i`` sees a bad key under end-aligned causal masking
     (``j <= i + s - n``, ``s = bad.shape[-1]``): the first bad key is one it sees."""
@@ -75,9 +79,12 @@ def seen_by_prefix(bad, n: int):
     s = bad.shape[-1]
     if s == 0:
         return xp.zeros((*bad.shape[:-1], n), dtype=xp.bool, device=device(bad))
-    first = xp.min(xp.where(bad, xp.arange(s, device=device(bad)), s), axis=-1,
-                   keepdims=True)                     # s where none (one reduction)
-    return first <= xp.arange(n, device=device(bad)) + (s - n)
+    # positions as float32 (exact to 2^24): XLA's CPU backend sends a float reduction to
+    # a library and lowers an integer one to a tree of kernels that deepens with s
+    dtype = xp.float32 if max(s, n) <= _FLOAT32_EXACT else None
+    first = xp.min(xp.where(bad, xp.arange(s, dtype=dtype, device=device(bad)), s),
+                   axis=-1, keepdims=True)            # s where none (one reduction)
+    return first <= xp.arange(n, dtype=dtype, device=device(bad)) + (s - n)
 
 
 def poison_rows(out, seen):
