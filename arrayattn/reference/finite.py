@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-__all__ = ["nonfinite_rows", "nonfinite_over", "nan_over", "drop_nonfinite", "seen_by_prefix", "poison_rows",
-           "poisoned_logits", "poison_prefix_grads"]
+__all__ = ["nonfinite_rows", "nonfinite_over", "nan_over", "drop_nonfinite", "seen_by_prefix",
+           "poison_rows", "poisoned_logits", "poison_prefix_grads"]
 
 
 def nonfinite_rows(*arrays):
