@@ -193,3 +193,26 @@ def test_xla_inner_dim_smoke(tmp_path):
     rows = json.loads((tmp_path / "x.json").read_text())["rows"]
     assert len(rows) == 6 and all(r["compile_s"] > 0 and r["flat_compile_s"] > 0 for r in rows)
     assert (tmp_path / "x.md").read_text().count("| exp |") == 2
+
+
+def test_chunk_states_smoke(tmp_path):
+    """benchmarks/chunk_states.py on a tiny problem: both forms per size, the threshold
+    put back, the cumulative sum's program with reduce-windows and no loop, the loop's
+    the reverse."""
+    pytest.importorskip("jax")
+    from arrayattn.reference import scan as scan_module
+
+    spec = importlib.util.spec_from_file_location(
+        "chunk_states", os.path.join(ROOT, "benchmarks", "chunk_states.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    chosen = scan_module.XLA_CPU_CUMSUM_STEPS
+    mod.main(["--variants", "linear_relu", "--sizes", "256", "--heads", "2",
+              "--repeats", "1", "--out", str(tmp_path / "cs")])
+    assert scan_module.XLA_CPU_CUMSUM_STEPS == chosen
+    rows = json.loads((tmp_path / "cs.json").read_text())["rows"]
+    assert [r["form"] for r in rows] == ["cumulative_sum", "loop"]
+    assert rows[0]["loops"] == 0 and rows[1]["loops"] == 1
+    assert rows[1]["reduce_windows"] < rows[0]["reduce_windows"]
+    assert [r["in_code"] for r in rows] == ["yes", ""]
+

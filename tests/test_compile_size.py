@@ -5,7 +5,8 @@ reference forms is a :func:`arrayattn.reference.scan.scan` (``jax.lax.scan`` on 
 the lowered program -- counted in StableHLO operations -- is the same size at two
 sequence lengths (a Python loop would be unrolled: its program grows with n).  The
 sizes are chosen so that every loop runs several times at the larger one (blockwise
-exact: 512-key blocks on the CPU; chunked forms: 16-64 tokens per chunk).  Only
+exact: 512-key blocks on the CPU; chunked forms: 16-64 tokens per chunk; the causal
+kernel forms' states between chunks, a loop past 16 chunks on a CPU, loop at both).  Only
 lowering runs here (no XLA compile): seconds for the whole file.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ jnp = jax.numpy
 
 RECORDS = arrayattn.variants()
 IDS = [r.name for r in RECORDS]
-SIZES = (1024, 4096)
+SIZES = (2048, 8192)
 #: Growth allowed between the two sizes: a shape-dependent branch (a padding concat, the
 #: permutation that puts sparse groups back in order) adds a few to a few dozen
 #: operations; a loop unrolled 4x more at least doubles the program.
@@ -125,10 +126,12 @@ def test_pinv_iterations():
 
 def test_sizes_exercise_the_loops():
     """The sizes above do run the loops several times (else the test proves nothing):
-    blockwise exact's CPU block is 512, so 2 and 8 query blocks."""
+    blockwise exact's CPU block is 512, so 4 and 16 query blocks; causal kernel forms'
+    64-token chunks, 32 and 128 (``running_sum`` loops past 16)."""
     from arrayattn._devices import CPU_BLOCK
 
     assert SIZES[0] >= 2 * CPU_BLOCK and SIZES[1] >= 4 * SIZES[0] // 2
+    assert SIZES[0] // 64 > 16
     q = np.zeros((1, 2, SIZES[0], 16), np.float32)
     assert arrayattn.get_variant("softmax_blockwise")(q, q, q).shape == q.shape
 

@@ -157,6 +157,20 @@ def test_grad_kernel_recurrent():
     _check(R.kernel_recurrent, (np.abs(q), np.abs(k), v1, sz0))
 
 
+@pytest.mark.parametrize("with_state", [False, True])
+def test_grad_kernel_chunked_running_sum(with_state):
+    """19 chunks of 2 tokens: on JAX the states between chunks are a ``fori_loop``
+    (``running_sum`` past 16 steps); torch runs the cumulative sum."""
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng)
+    v1 = np.concatenate([v, np.ones((*v.shape[:-1], 1))], axis=-1)
+    sz0 = np.abs(rng.standard_normal((*q.shape[:-2], q.shape[-1], v1.shape[-1])))
+    if with_state:
+        _check(lambda *a: R.kernel_chunked(*a, 2), (np.abs(q), np.abs(k), v1, sz0))
+    else:
+        _check(lambda *a: R.kernel_chunked(*a, None, 2), (np.abs(q), np.abs(k), v1))
+
+
 def test_grad_gated_rfa():
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng)

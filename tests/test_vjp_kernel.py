@@ -404,6 +404,21 @@ def test_every_backend_equals_numpy(name, rng):
                                    atol=1e-12 * np.max(np.abs(r)), err_msg=arg)
 
 
+@pytest.mark.parametrize("name", ["strict", "torch", "jax"])
+def test_many_chunks_every_backend_equals_numpy(name, rng):
+    """20 chunks of 2 tokens, past the 16 steps at which JAX on a CPU carries the states
+    between chunks with a loop (``reference.scan.running_sum``), forward and reverse."""
+    backend = get_backend(name)
+    q, k, v, do, km = _masked_qkv(rng, batch=(1, 2), n=40, s=40)
+    a = backend.asarray
+    opts = dict(feature_map="elu+1", causal=True, chunk_size=2)
+    ref = arrayattn.vjp("linear_elu", q, k, v, do, key_mask=km, **opts)
+    got = arrayattn.vjp("linear_elu", a(q), a(k), a(v), a(do), key_mask=a(km), **opts)
+    for arg in "qkv":
+        np.testing.assert_allclose(backend.to_numpy(got[arg]), ref[arg], rtol=1e-12,
+                                   atol=1e-12 * np.max(np.abs(ref[arg])), err_msg=arg)
+
+
 def test_traces_under_jax_jit(rng):
     jax = pytest.importorskip("jax")
     jax.config.update("jax_enable_x64", True)

@@ -18,7 +18,7 @@ from array_api_compat import array_namespace, device
 
 from .masks import masked_softmax, zero_masked_keys
 from .chunks import in_chunks, unchunk
-from .scan import scan
+from .scan import scan, running_sum
 
 __all__ = ["kernel_attention", "kernel_recurrent", "kernel_cumsum", "kernel_chunked",
            "guarded_divide", "linear_attention", "efficient_attention"]
@@ -55,21 +55,18 @@ def kernel_cumsum(phi_q, phi_k, v1, sz0):
 def kernel_chunked(phi_q, phi_k, v1, sz0, chunk_size: int):
     """Chunks of ``c`` tokens: within a chunk the masked quadratic form
     ``tril(phi_Q phi_K^T) [V, 1]``; the state entering chunk ``b`` is ``Sz0`` plus the
-    exclusive cumulative sum of the chunk states ``phi_K_c^T [V_c, 1]`` (``Sz0=None``:
-    no earlier state, and no full-size addition of zeros)."""
+    sum of the chunk states ``phi_K_c^T [V_c, 1]`` before it (``Sz0=None``: no earlier
+    state)."""
     xp = array_namespace(phi_q, phi_k, v1)
     n = phi_q.shape[-2]
     c = min(chunk_size, n)
     qc, kc, vc = (in_chunks(x, c) for x in (phi_q, phi_k, v1))
     kv = xp.matrix_transpose(kc) @ vc                                # (..., nc, m, dv+1)
-    prefix = xp.cumulative_sum(kv, axis=-3, include_initial=True)   # states before chunks
-    before = prefix[..., :-1, :, :]
-    before = before if sz0 is None else sz0[..., None, :, :] + before
+    before, sz = running_sum(kv, sz0, axis=-3)                       # states into, out
     past = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(phi_q)))
     within = xp.where(past, qc @ xp.matrix_transpose(kc), 0.0) @ vc
     num = qc @ before + within
-    num = unchunk(num, n)
-    return num, prefix[..., -1, :, :] if sz0 is None else sz0 + prefix[..., -1, :, :]
+    return unchunk(num, n), sz
 
 
 def kernel_attention(phi_q, phi_k, v, *, causal=False, key_mask=None, method="chunked",

@@ -85,6 +85,7 @@ from array_api_compat import array_namespace, device
 from .exact_vjp import sum_to_shape
 from .chunks import in_chunks, unchunk
 from .masks import masked_softmax, zero_masked_keys
+from .scan import running_sum
 
 __all__ = ["kernel_attention_vjp", "elu_plus_one_vjp", "relu_vjp", "cosine_features_vjp",
            "taylor_features_vjp", "linear_attention_vjp", "efficient_attention_vjp"]
@@ -118,13 +119,6 @@ def _pad_rows(x, rows: int, *, front: bool = False):
     return xp.concat([zeros, x] if front else [x, zeros], axis=-2)
 
 
-def _suffix_exclusive(x):
-    """``y_b = sum_{b' > b} x_b'`` along axis ``-3`` (the reverse-time sum over chunks)."""
-    xp = array_namespace(x)
-    rev = xp.cumulative_sum(xp.flip(x, axis=-3), axis=-3, include_initial=True)
-    return xp.flip(rev[..., :-1, :, :], axis=-3)
-
-
 def _causal_chunked_vjp(phi_q, phi_k, v1, do, sz0, chunk_size: int, eps: float,
                         normalize: bool):
     """The chunked causal backward on aligned sequences (``n`` queries, ``n`` keys, key
@@ -135,19 +129,17 @@ def _causal_chunked_vjp(phi_q, phi_k, v1, do, sz0, chunk_size: int, eps: float,
     qc, kc, vc, dc = (in_chunks(x, c) for x in (phi_q, phi_k, v1, do))
     past = xp.tril(xp.ones((c, c), dtype=xp.bool, device=device(phi_q)))
     # forward, recomputed: B_b = S0 + sum_{b' < b} phi_K_b'^T V1_b', A = tril(phi_Q phi_K^T)
-    before = xp.cumulative_sum(_t(kc) @ vc, axis=-3, include_initial=True)[..., :-1, :, :]
-    before = before if sz0 is None else sz0[..., None, :, :] + before
+    before, _ = running_sum(_t(kc) @ vc, sz0, axis=-3)
     a = xp.where(past, qc @ _t(kc), 0.0)
     num = qc @ before + a @ vc                                   # (..., nc, c, dv + 1)
     dn = _output_cotangent(num, dc, eps, normalize)              # padded rows: do = 0
     # backward: dA = tril(dN V1^T); G>_b = sum_{b' > b} phi_Q_b'^T dN_b'
     da = xp.where(past, dn @ _t(vc), 0.0)
     dstate = _t(qc) @ dn                                         # (..., nc, m, dv + 1)
-    after = _suffix_exclusive(dstate)
+    after, ds0 = running_sum(dstate, axis=-3, reverse=True)
     dq = dn @ _t(before) + da @ kc
     dk = vc @ _t(after) + _t(da) @ qc
     dv1 = kc @ after + _t(a) @ dn
-    ds0 = xp.sum(dstate, axis=-3)
     return tuple(unchunk(x, n) for x in (dq, dk, dv1)) + (ds0,)
 
 

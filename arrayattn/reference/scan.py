@@ -26,7 +26,11 @@ from __future__ import annotations
 
 import array_api_compat
 
-__all__ = ["scan", "fori", "cond"]
+__all__ = ["scan", "fori", "cond", "running_sum", "XLA_CPU_CUMSUM_STEPS"]
+
+#: The longest ``cumulative_sum`` that :func:`running_sum` leaves to XLA's CPU backend:
+#: up to 16 steps it is one reduce-window, past that a tree of them.
+XLA_CPU_CUMSUM_STEPS = 16
 
 
 def _is_table(x) -> bool:
@@ -143,6 +147,57 @@ def cond(pred, step, carry):
     import jax
     carry = _settled(step, carry)
     return jax.lax.cond(pred, step, lambda c: c, carry)
+
+
+def running_sum(x, start=None, *, axis: int, reverse: bool = False):
+    """``(before, total)``: the sums of ``x`` along ``axis`` (negative) before each index,
+    ``before_i = start + sum_(j < i) x_j`` (``j > i`` with ``reverse``), and
+    ``total = start + sum_j x_j``: the states entering each chunk and leaving the last.
+    ``start``: ``x`` without that axis, or broadcastable to it (``None``: zero).
+
+    One ``cumulative_sum``, except for JAX arrays on a CPU past 16 steps, where it is a
+    ``fori_loop``: XLA's CPU backend compiles a cumulative sum of up to 16 steps as one
+    reduce-window and a longer one as a tree of them that deepens with the length, so the
+    compile time grew with ``n`` (causal Performer: 0.37 s at 16 chunks, 0.60 s at 256);
+    the loop compiles the same at every length and runs 10-20 % faster.  On a GPU the
+    cumulative sum is one kernel and a loop a launch per step (CuPy, 256 chunks: 3 ms
+    against 36 ms, H200).
+    """
+    from .._devices import device_kind
+    xp = array_api_compat.array_namespace(x)
+    if (array_api_compat.is_jax_array(x) and device_kind(x) == "cpu"
+            and x.shape[axis] > XLA_CPU_CUMSUM_STEPS):
+        return _running_sum_jax(x, start, axis, reverse)
+    sums = xp.cumulative_sum(xp.flip(x, axis=axis) if reverse else x, axis=axis,
+                             include_initial=True)
+    sums = sums if start is None else xp.expand_dims(start, axis=axis) + sums
+    before = sums[(slice(None),) * (axis % sums.ndim) + (slice(None, -1), ...)]
+    return (xp.flip(before, axis=axis) if reverse else before), _take(sums, -1, axis)
+
+
+def _running_sum_jax(x, start, axis: int, reverse: bool):
+    """:func:`running_sum` as a ``fori_loop`` that reads and writes along ``axis`` where
+    it is: a :func:`scan` moves that axis to the front and back, two transposes of the
+    stacked states (causal Performer, 256 features: 1.4x slower at ``n`` = 1024)."""
+    import jax
+    import jax.numpy as jnp
+
+    first = jax.lax.index_in_dim(x, 0, axis, keepdims=False)
+    zero = jnp.zeros((), dtype=x.dtype) if start is None else start
+    acc = jnp.broadcast_to(zero, jnp.broadcast_shapes(jnp.shape(zero), first.shape))
+    acc = acc.astype(jnp.result_type(x, zero))
+    out = jnp.zeros(jnp.broadcast_shapes(x.shape, jnp.expand_dims(acc, axis).shape),
+                    acc.dtype)
+    length = x.shape[axis]
+
+    def step(i, carry):
+        acc, out = carry
+        j = length - 1 - i if reverse else i
+        out = jax.lax.dynamic_update_index_in_dim(out, acc, j, axis)
+        return acc + jax.lax.dynamic_index_in_dim(x, j, axis, keepdims=False), out
+
+    acc, out = jax.lax.fori_loop(0, length, step, (acc, out))
+    return out, acc
 
 
 def _take(x, i: int, axis: int):
