@@ -37,6 +37,7 @@ def measure(rec, n: int, heads: int, repeats: int) -> list[dict]:
     """Both forms of one configuration, compiled and called in turn ``repeats`` times."""
     import numpy as np
     import jax
+    from _measure import median_time
     from arrayattn.reference import scan as scan_module
 
     chosen = scan_module.XLA_CPU_CUMSUM_STEPS
@@ -52,11 +53,8 @@ def measure(rec, n: int, heads: int, repeats: int) -> list[dict]:
                 t = time.perf_counter()
                 compiled = lowered.compile()
                 rows[form]["compile"].append(time.perf_counter() - t)
-                compiled(q, k, v).block_until_ready()
-                for _ in range(2):
-                    t = time.perf_counter()
-                    compiled(q, k, v).block_until_ready()
-                    rows[form]["call"].append(time.perf_counter() - t)
+                rows[form]["call"].append(median_time(
+                    lambda: compiled(q, k, v).block_until_ready(), repeats=2))
                 text = compiled.as_text()
                 rows[form].update(reduce_windows=text.count("reduce-window("),
                                   loops=text.count(" while("))
