@@ -4,7 +4,7 @@ Every variant is written once against the array API standard and runs on NumPy, 
 PyTorch, JAX and array-api-strict arrays, returning an array of the caller's own
 library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
-from .registry import Variant, attention_matrix, get_variant, register, variants
+from .registry import Variant, attention_matrix, get_variant, jit_uniform, register, variants
 from ._engine import use_engine
 from . import reference
 # The registry is built from arrayattn.catalogue.VARIANTS (one table) when first read:
@@ -49,7 +49,8 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
-    "Variant", "attention_matrix", "get_variant", "register", "variants", "use_engine",
+    "Variant", "attention_matrix", "get_variant", "jit_uniform", "register", "variants",
+    "use_engine",
     "reference",
     "softmax_attention", "paged_attention",
     "FeatureMap", "get_feature_map", "taylor_feature_map",

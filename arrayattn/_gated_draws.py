@@ -2,6 +2,9 @@
 and the gates the registry's uniform calls draw from ``seed`` on the host."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 from array_api_compat import array_namespace
 from array_api_compat import device as xp_device
@@ -10,7 +13,8 @@ from ._validate import check_positive_int, check_seed
 from ._xp import xp_from_host
 
 __all__ = ["retention_gammas", "default_gammas", "drawn_gla_gates", "drawn_ssd_decays",
-           "drawn_delta_betas", "drawn_gated_delta_gates"]
+           "drawn_delta_betas", "drawn_gated_delta_gates", "UniformDraws", "GLA_DRAWS",
+           "SSD_DRAWS", "DELTA_DRAWS", "GATED_DELTA_DRAWS"]
 
 
 def retention_gammas(heads: int) -> np.ndarray:
@@ -74,3 +78,25 @@ def drawn_gated_delta_gates(q, seed):
     bg = _draw(q, q.shape[:-1], seed, lambda r, s: np.stack([
         _sigmoid(r.standard_normal(s)), _log_sigmoid(r.standard_normal(s) + 3.0)]))
     return bg[0, ...], bg[1, ...]
+
+
+@dataclass(frozen=True)
+class UniformDraws:
+    """What a registry call draws from ``seed``: ``draws(q, seed=0) -> {option: array}``,
+    the options ``names`` in that order, from ``fn(q, seed)``.  Passing them back
+    (``rec(q, k, v, **rec.draws(q))``) is the same call; under ``jax.jit`` they are
+    then arguments, where drawn inside the traced call they would be constants of the
+    program (XLA copies and hashes them: 32 MB for gla's gates at ``(1, 8, 16384, 64)``)."""
+
+    names: tuple
+    fn: Callable
+
+    def __call__(self, q, seed=0) -> dict:
+        out = self.fn(q, seed)
+        return dict(zip(self.names, out if len(self.names) > 1 else (out,)))
+
+
+GLA_DRAWS = UniformDraws(("g",), drawn_gla_gates)
+SSD_DRAWS = UniformDraws(("a",), drawn_ssd_decays)
+DELTA_DRAWS = UniformDraws(("beta",), drawn_delta_betas)
+GATED_DELTA_DRAWS = UniformDraws(("beta", "g"), drawn_gated_delta_gates)

@@ -217,18 +217,21 @@ def check_gated_delta(q, k, v, /, *, beta, g, **options) -> GatedCall:
 
 def drawn_check(public: Callable, check: Callable, draw: Callable) -> Callable:
     """The check of a registry call that draws its gates: ``q, k, v`` checked once, then
-    ``draw(q, seed) -> {gate name: array}``, then ``check`` with ``public``'s defaults for
-    the options not given.  An option ``public`` does not take is the ``TypeError``
+    ``draw(q, seed) -> {gate name: array}`` unless the caller gave every one of those
+    gates (``draw.names``: then they are the call's, as the registry record's ``draws``
+    hands them to a ``jax.jit`` as arguments), then ``check`` with ``public``'s defaults
+    for the options not given.  An option ``public`` does not take is the ``TypeError``
     ``public`` raises."""
     params = inspect.signature(public).parameters.values()
     defaults = {x.name: x.default for x in params if x.kind is x.KEYWORD_ONLY}
 
     def checked(q, k, v, /, *, seed=0, **options) -> GatedCall:
         p = check_qkv(q, k, v)
-        gates = draw(q, seed)
-        for name in options.keys() - defaults.keys():
+        if not all(name in options for name in draw.names):
+            options = {**draw(q, seed), **options}
+        for name in options.keys() - defaults.keys() - set(draw.names):
             raise TypeError(f"{public.__name__}() got an unexpected keyword argument "
                             f"{name!r}")
-        return check(q, k, v, **gates, **{**defaults, **options}, problem=p)
+        return check(q, k, v, **{**defaults, **options}, problem=p)
     checked.__name__ = f"check_{public.__name__}_drawn"
     return checked

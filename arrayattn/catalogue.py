@@ -11,6 +11,7 @@ is read: no variant is registered by importing a module.
 from __future__ import annotations
 
 from .exact import softmax_attention
+from ._gated_draws import DELTA_DRAWS, GATED_DELTA_DRAWS, GLA_DRAWS, SSD_DRAWS
 from .gated import (default_gammas, delta_attention, delta_uniform, gated_delta_attention,
                     gated_delta_uniform, gla_attention, gla_uniform, retention, ssd_attention,
                     ssd_uniform)
@@ -147,7 +148,7 @@ VARIANTS: tuple[Variant, ...] = (
                      "for LLMs",
             notes="Unnormalised; RetNet's per-head decays 1 - 2^(-5-h) over axis -3."),
     Variant(name="gla", fn=gla_attention, call=gla_uniform, **_GATED, random=True,
-            defaults={"seed": 0},
+            draws=GLA_DRAWS, defaults={"seed": 0},
             complexity="O(n c d + n d dv) time, O(n c d) memory (per-dimension pair "
                        "decays)",
             citation="Yang et al. 2024, Gated Linear Attention Transformers with "
@@ -155,19 +156,20 @@ VARIANTS: tuple[Variant, ...] = (
             notes="Uniform call: gates log(sigmoid(N(3, 1))) per token and key dimension, "
                   + _DRAWN + "."),
     Variant(name="ssd", fn=ssd_attention, call=ssd_uniform, **_GATED, random=True,
-            defaults={"seed": 0},
+            draws=SSD_DRAWS, defaults={"seed": 0},
             complexity="O(n c d + n d dv) time, O(n c + d dv) memory",
             citation="Dao & Gu 2024, Transformers are SSMs (Mamba-2)",
             notes="Uniform call: log decays -exp(N(-2.5, 0.5)) per token, " + _DRAWN + "."),
     Variant(name="deltanet", fn=delta_attention, call=delta_uniform, **_GATED, random=True,
-            defaults={"seed": 0, "normalize_qk": True},
+            draws=DELTA_DRAWS, defaults={"seed": 0, "normalize_qk": True},
             complexity="O(n c d + n d dv + n c^2) time, O(n c + d dv) memory",
             citation="Schlag et al. 2021; Yang et al. 2024, Parallelizing Linear "
                      "Transformers with the Delta Rule over Sequence Length",
             notes="Uniform call: beta = sigmoid(N(0, 1)) per token, " + _DRAWN
                   + "; q and k L2-normalised."),
     Variant(name="gated_deltanet", fn=gated_delta_attention, call=gated_delta_uniform,
-            **_GATED, random=True, defaults={"seed": 0, "normalize_qk": True},
+            **_GATED, random=True, draws=GATED_DELTA_DRAWS,
+            defaults={"seed": 0, "normalize_qk": True},
             complexity="O(n c d + n d dv + n c^2) time, O(n c + d dv) memory",
             citation="Yang, Kautz & Hatamizadeh 2025, Gated Delta Networks: Improving "
                      "Mamba2 with Delta Rule",

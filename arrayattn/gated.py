@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ._gated_draws import (default_gammas, drawn_delta_betas, drawn_gated_delta_gates,
+from ._gated_draws import (DELTA_DRAWS, GATED_DELTA_DRAWS, GLA_DRAWS, SSD_DRAWS,
+                           default_gammas, drawn_delta_betas, drawn_gated_delta_gates,
                            drawn_gla_gates, drawn_ssd_decays, retention_gammas)
 from ._gated_run import gated_empty, gated_reference
 from ._validate_gated import (check_delta, check_gated_delta, check_gla, check_retention,
@@ -28,6 +29,8 @@ __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
            # the forward's gates, for the backward adapters (arrayattn.backward)
            "drawn_gla_gates", "drawn_ssd_decays",
            "drawn_delta_betas", "drawn_gated_delta_gates",
+           # what the registry calls draw (the records' draws)
+           "GLA_DRAWS", "SSD_DRAWS", "DELTA_DRAWS", "GATED_DELTA_DRAWS",
            # the pipeline's specs: the public functions' and the registry calls'
            "NONE_MEANS", "RETENTION_SPEC", "GLA_SPEC", "SSD_SPEC", "DELTA_SPEC",
            "GATED_DELTA_SPEC",
@@ -293,19 +296,19 @@ GATED_DELTA_SPEC = _spec("gated_delta_attention", check_gated_delta)
 
 # ---------------------------------------------------------------------------------
 # Registry: the uniform call has no gates; these calls draw them on the host from seed
-# (arrayattn._gated_draws) after checking q, k, v, which they check once.
+# (arrayattn._gated_draws) after checking q, k, v, which they check once -- unless the
+# caller passes them (the records' ``draws``: jax.jit arguments, not constants).
 # ---------------------------------------------------------------------------------
 
 
-GLA_CALL_SPEC = replace(GLA_SPEC, name="gla", check=drawn_check(
-    gla_attention, check_gla, lambda q, seed: {"g": drawn_gla_gates(q, seed)}))
-SSD_CALL_SPEC = replace(SSD_SPEC, name="ssd", check=drawn_check(
-    ssd_attention, check_ssd, lambda q, seed: {"a": drawn_ssd_decays(q, seed)}))
-DELTA_CALL_SPEC = replace(DELTA_SPEC, name="deltanet", check=drawn_check(
-    delta_attention, check_delta, lambda q, seed: {"beta": drawn_delta_betas(q, seed)}))
+GLA_CALL_SPEC = replace(GLA_SPEC, name="gla",
+                        check=drawn_check(gla_attention, check_gla, GLA_DRAWS))
+SSD_CALL_SPEC = replace(SSD_SPEC, name="ssd",
+                        check=drawn_check(ssd_attention, check_ssd, SSD_DRAWS))
+DELTA_CALL_SPEC = replace(DELTA_SPEC, name="deltanet",
+                          check=drawn_check(delta_attention, check_delta, DELTA_DRAWS))
 GATED_DELTA_CALL_SPEC = replace(GATED_DELTA_SPEC, name="gated_deltanet", check=drawn_check(
-    gated_delta_attention, check_gated_delta,
-    lambda q, seed: dict(zip(("beta", "g"), drawn_gated_delta_gates(q, seed)))))
+    gated_delta_attention, check_gated_delta, GATED_DELTA_DRAWS))
 
 
 def gla_uniform(q, k, v, /, *, seed=0, **options):

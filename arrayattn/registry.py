@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-__all__ = ["Variant", "register", "variants", "get_variant", "attention_matrix"]
+__all__ = ["Variant", "register", "variants", "get_variant", "attention_matrix", "jit_uniform"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,12 @@ class Variant:
     prepare : callable or None
         ``prepare(q, options) -> options``: options resolved from the caller's ``q``
         before grouped-query heads are split (retention's default per-head decays).
+    draws : callable or None
+        ``draws(q, seed=0) -> {option: array}``: the inputs of the sequence's size that
+        the uniform call draws on the host from ``seed`` (the gated families' gates,
+        for ``q``'s shape as given).  ``rec(q, k, v, **rec.draws(q))`` is the same call;
+        under ``jax.jit`` pass them as arguments (:func:`jit_uniform`), or they are
+        constants of the program and its compile time grows with ``n``.
 
     Examples
     --------
@@ -88,6 +94,7 @@ class Variant:
     notes: str = ""
     linear_in_v: bool = True
     prepare: Callable | None = None
+    draws: Callable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
@@ -262,6 +269,56 @@ def get_variant(name: str) -> Variant:
         raise ValueError(
             f"no variant named {name!r}; registered: {', '.join(registry)}"
         ) from None
+
+
+class jit_uniform:
+    """The uniform call of ``rec`` (a :class:`Variant` or registry name) with ``options``,
+    compiled by ``jit`` (default :func:`jax.jit`), with what the call draws on the host
+    (``rec.draws``: the gated families' gates) passed to the compiled call as arguments.
+
+    ``jax.jit(lambda q, k, v: rec(q, k, v))`` gives the same numbers, but there the gates
+    drawn inside are constants of the program: XLA copies and hashes them (gla's are
+    ``(1, 8, n, 64)``, 32 MB at ``n = 16384``), and the compile time grows with ``n``.
+    Here they are drawn once per shape of ``q`` (from ``seed``), outside the program.
+    ``jit_uniform(rec)(q, k, v)`` calls it and ``.lower(q, k, v)`` lowers it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn import get_variant, jit_uniform
+    >>> q = k = v = np.ones((1, 2, 8, 4))
+    >>> call = jit_uniform("gla", lambda f: f)      # any jit; the identity runs eagerly
+    >>> bool(np.allclose(call(q, k, v), get_variant("gla")(q, k, v)))
+    True
+    """
+
+    def __init__(self, rec, jit=None, /, **options):
+        if jit is None:
+            import jax
+            jit = jax.jit
+        self.rec, self.options = get_variant(rec), options
+        self.seed = {**self.rec.defaults, **options}.get("seed", 0)
+        self.fn = jit(lambda q, k, v, drawn: self.rec(q, k, v, **drawn, **options))
+        self._drawn = {}
+
+    def drawn(self, q) -> dict:
+        """What the uniform call draws for ``q``'s shape (``{}`` for most variants)."""
+        if self.rec.draws is None:
+            return {}
+        key = (tuple(q.shape), str(q.dtype), str(getattr(q, "device", "")))
+        if key not in self._drawn:
+            self._drawn[key] = self.rec.draws(q, self.seed)
+        return self._drawn[key]
+
+    def __call__(self, q, k, v):
+        """The compiled uniform call on ``q (..., n, d)``, ``k (..., s, d)``,
+        ``v (..., s, dv)``: ``(..., n, dv)``."""
+        return self.fn(q, k, v, self.drawn(q))
+
+    def lower(self, q, k, v):
+        """``jit(...).lower`` on these inputs and the draws (``jax.jit``'s lowered
+        program: ``.compile()``, ``.as_text()``)."""
+        return self.fn.lower(q, k, v, self.drawn(q))
 
 
 def attention_matrix(fn, q, k, /, **options):

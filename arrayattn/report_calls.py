@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ._xp import to_numpy
-from .registry import Variant, attention_matrix
+from .registry import Variant, attention_matrix, jit_uniform
 
 __all__ = ["on_host", "Compiled", "implied_matrix", "compiles", "timed"]
 
@@ -22,8 +22,10 @@ def on_host(x):
 
 
 class Compiled:
-    """One prepared call per variant (``jax.jit`` on JAX), kept for the whole report:
-    JAX compiles it once per input shape, however many cases and calls use it."""
+    """One prepared call per variant (``jax.jit`` on JAX, through
+    :class:`~arrayattn.registry.jit_uniform`: what the call draws is an argument, not a
+    constant), kept for the whole report: JAX compiles it once per input shape, however
+    many cases and calls use it."""
 
     def __init__(self, be):
         self.be, self.calls = be, {}
@@ -32,7 +34,7 @@ class Compiled:
 
     def __call__(self, rec):
         if rec.name not in self.calls:
-            self.calls[rec.name] = self.be.compile(lambda q, k, v: rec(q, k, v))
+            self.calls[rec.name] = jit_uniform(rec, self.be.compile)
         return self.calls[rec.name]
 
     def ahead(self, recs, inputs, workers: int = 2):

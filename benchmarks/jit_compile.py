@@ -5,7 +5,9 @@
 
 Per variant and ``n``: the uniform call ``rec(q, k, v)`` (``causal=True`` where the
 record supports it -- that is where the chunked and recurrent loops are) on
-``(1, heads, n, d)`` float32 inputs on the CPU, under ``jax.jit``: lowering seconds,
+``(1, heads, n, d)`` float32 inputs on the CPU, under ``jax.jit`` as
+:class:`arrayattn.jit_uniform` compiles it (the gates the gated records draw are
+arguments, as in a training step, not constants of the program): lowering seconds,
 XLA compile seconds (wall, and CPU seconds of the process: XLA compiles
 on one thread mostly, so on a loaded machine the CPU seconds are near what an idle one
 takes), the run time (median of ``--repeats`` calls after the first), the
@@ -59,7 +61,7 @@ def measure_one(name: str, n: int, heads: int, d: int, repeats: int,
                for _ in range(3))
     best = None
     for _ in range(compile_repeats):      # a fresh jax.jit each time: no cache hit
-        fn = jax.jit(lambda q, k, v: rec(q, k, v, **opts))
+        fn = aa.jit_uniform(rec, jax.jit, **opts)
         t0 = time.perf_counter()
         lowered = fn.lower(q, k, v)
         t1, c1 = time.perf_counter(), time.process_time()
@@ -67,11 +69,12 @@ def measure_one(name: str, n: int, heads: int, d: int, repeats: int,
         t2, c2 = time.perf_counter(), time.process_time()
         if best is None or t2 - t1 < best[1]:
             best = (t1 - t0, t2 - t1, c2 - c1)
-    compiled(q, k, v).block_until_ready()
+    args = (q, k, v, fn.drawn(q))
+    compiled(*args).block_until_ready()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        compiled(q, k, v).block_until_ready()
+        compiled(*args).block_until_ready()
         times.append(time.perf_counter() - t)
     return {"variant": name, "n": n, "causal": bool(opts), "lower_s": best[0],
             "compile_s": best[1], "compile_cpu_s": best[2],

@@ -110,16 +110,18 @@ def gated_delta_attention_vjp(q, k, v, do, /, *, beta, g, normalize_qk=False, ca
 
 def deltanet_vjp(q, k, v, do, /, *, seed=0, **options):
     """``{"q", "k", "v"[, "initial_state"]}`` of the uniform call ``deltanet``:
-    ``beta = sigmoid(N(0, 1))`` drawn from ``seed`` (no cotangent)."""
+    ``beta = sigmoid(N(0, 1))`` drawn from ``seed`` (no cotangent), or the ``beta=`` the
+    caller gave (the record's ``draws``: then ``"beta"`` too)."""
     call = DELTA_CALL_SPEC.check(q, k, v, seed=seed, **options)
-    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v,
+    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v, "beta": options.get("beta"),
                                           "initial_state": options.get("initial_state")})
 
 
 def gated_deltanet_vjp(q, k, v, do, /, *, seed=0, **options):
     """``{"q", "k", "v"[, "initial_state"]}`` of the uniform call ``gated_deltanet``:
     ``beta = sigmoid(N(0, 1))`` and ``g = log sigmoid(N(3, 1))`` drawn from ``seed``
-    (no cotangent)."""
+    (no cotangent), or the ``beta=``, ``g=`` the caller gave (then theirs too)."""
     call = GATED_DELTA_CALL_SPEC.check(q, k, v, seed=seed, **options)
-    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v,
+    return _delta_vjp(call, q, k, v, do, {"q": q, "k": k, "v": v, "beta": options.get("beta"),
+                                          "g": options.get("g"),
                                           "initial_state": options.get("initial_state")})

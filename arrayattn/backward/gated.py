@@ -105,17 +105,20 @@ def ssd_attention_vjp(q, k, v, do, /, *, a, causal=True, key_mask=None, method="
 
 def gla_call_vjp(q, k, v, do, /, *, seed=0, **options):
     """The registry's ``gla``: gates drawn from ``seed`` as the uniform call draws them
-    (constants: no cotangent); checked as the uniform call checks them, once."""
+    (constants: no cotangent), or the gates ``g=`` the caller gave (the record's
+    ``draws``: then theirs too); checked as the uniform call checks them, once."""
     call = GLA_CALL_SPEC.check(q, k, v, seed=seed, **options)
     grads = _gated_vjp(call, q, k, v, do)
-    return _shaped(grads, {"q": q, "k": k, "v": v,
+    return _shaped(grads, {"q": q, "k": k, "v": v, "g": options.get("g"),
                            "initial_state": options.get("initial_state")})
 
 
 def ssd_call_vjp(q, k, v, do, /, *, seed=0, **options):
     """The registry's ``ssd``: log decays drawn from ``seed`` as the uniform call draws
-    them (constants: no cotangent); checked as the uniform call checks them, once."""
+    them (constants: no cotangent), or the decays ``a=`` the caller gave (then theirs
+    too); checked as the uniform call checks them, once."""
     call = SSD_CALL_SPEC.check(q, k, v, seed=seed, **options)
     grads = _gated_vjp(call, q, k, v, do)
-    return _shaped(grads, {"q": q, "k": k, "v": v,
+    grads["a"] = grads.pop("g")[..., 0]
+    return _shaped(grads, {"q": q, "k": k, "v": v, "a": options.get("a"),
                            "initial_state": options.get("initial_state")})
