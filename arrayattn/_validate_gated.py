@@ -218,9 +218,9 @@ def check_gated_delta(q, k, v, /, *, beta, g, **options) -> GatedCall:
 def drawn_check(public: Callable, check: Callable, draw: Callable) -> Callable:
     """The check of a registry call that draws its gates: ``q, k, v`` checked once, then
     ``draw(q, seed) -> {gate name: array}`` unless the caller gave every one of those
-    gates (``draw.names``: then they are the call's, as the registry record's ``draws``
-    hands them to a ``jax.jit`` as arguments), then ``check`` with ``public``'s defaults
-    for the options not given.  An option ``public`` does not take is the ``TypeError``
+    gates (``draw.names``, as :class:`~arrayattn.jit_uniform` hands the record's
+    ``draws`` to a ``jax.jit``; a gate given wins over its draw), then ``check`` with
+    ``public``'s defaults for the options not given.  An option ``public`` does not take is the ``TypeError``
     ``public`` raises."""
     params = inspect.signature(public).parameters.values()
     defaults = {x.name: x.default for x in params if x.kind is x.KEYWORD_ONLY}

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ._gated_draws import (DELTA_DRAWS, GATED_DELTA_DRAWS, GLA_DRAWS, SSD_DRAWS,
-                           default_gammas, drawn_delta_betas, drawn_gated_delta_gates,
-                           drawn_gla_gates, drawn_ssd_decays, retention_gammas)
+                           default_gammas, retention_gammas)
 from ._gated_run import gated_empty, gated_reference
 from ._validate_gated import (check_delta, check_gated_delta, check_gla, check_retention,
                               check_ssd, drawn_check)
@@ -26,11 +25,6 @@ __all__ = ["retention", "gla_attention", "ssd_attention", "delta_attention",
            # the registry's uniform calls (arrayattn.catalogue)
            "default_gammas", "gla_uniform", "ssd_uniform", "delta_uniform",
            "gated_delta_uniform",
-           # the forward's gates, for the backward adapters (arrayattn.backward)
-           "drawn_gla_gates", "drawn_ssd_decays",
-           "drawn_delta_betas", "drawn_gated_delta_gates",
-           # what the registry calls draw (the records' draws)
-           "GLA_DRAWS", "SSD_DRAWS", "DELTA_DRAWS", "GATED_DELTA_DRAWS",
            # the pipeline's specs: the public functions' and the registry calls'
            "NONE_MEANS", "RETENTION_SPEC", "GLA_SPEC", "SSD_SPEC", "DELTA_SPEC",
            "GATED_DELTA_SPEC",

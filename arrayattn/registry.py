@@ -296,7 +296,7 @@ class jit_uniform:
         if jit is None:
             import jax
             jit = jax.jit
-        self.rec, self.options = get_variant(rec), options
+        self.rec = get_variant(rec)
         self.seed = {**self.rec.defaults, **options}.get("seed", 0)
         self.fn = jit(lambda q, k, v, drawn: self.rec(q, k, v, **drawn, **options))
         self._drawn = {}
