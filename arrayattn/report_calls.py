@@ -13,7 +13,14 @@ import numpy as np
 from ._xp import to_numpy
 from .registry import Variant, attention_matrix, jit_uniform
 
-__all__ = ["on_host", "Compiled", "implied_matrix", "compiles", "timed"]
+__all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "compiles", "timed",
+           "CPU_COMPILER_OPTIONS"]
+
+#: XLA options of the report's programs on a CPU: LLVM at XLA's backend optimisation
+#: level 1 instead of the default 2 compiles them about a quarter faster, and they give
+#: the same outputs at the same speed (``benchmarks/report_xla_level.py``).  The report
+#: calls each program about a dozen times, so its compile time is most of its own.
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
 def on_host(x):
@@ -25,16 +32,20 @@ class Compiled:
     """One prepared call per variant (``jax.jit`` on JAX, through
     :class:`~arrayattn.registry.jit_uniform`: what the call draws is an argument, not a
     constant), kept for the whole report: JAX compiles it once per input shape, however
-    many cases and calls use it."""
+    many cases and calls use it (on a CPU with :data:`CPU_COMPILER_OPTIONS`)."""
 
     def __init__(self, be):
         self.be, self.calls = be, {}
         #: whether each variant's heads are alike (:func:`implied_matrix`), by name
         self.alike = {}
+        self.options = (CPU_COMPILER_OPTIONS if compiles(be) and be.device == "cpu"
+                        else {})
 
     def __call__(self, rec):
         if rec.name not in self.calls:
-            self.calls[rec.name] = jit_uniform(rec, self.be.compile)
+            call = jit_uniform(rec, self.be.compile)
+            self.calls[rec.name] = Executables(call, self.options) if compiles(self.be) \
+                else call
         return self.calls[rec.name]
 
     def ahead(self, recs, inputs, workers: int = 2):
@@ -50,12 +61,38 @@ class Compiled:
         def compile_one(job):
             call, args = job
             try:
-                call.lower(*args).compile()
+                call.compiled(*args)
             except Exception:  # reported by the row's own call
                 pass
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
             list(pool.map(compile_one, jobs))
+
+
+class Executables:
+    """A :class:`~arrayattn.registry.jit_uniform` call compiled with XLA ``options``, once
+    per shapes and dtypes of ``q, k, v`` (``jax.jit``'s own cache would compile it with
+    XLA's defaults); an XLA that does not know an option compiles with its defaults."""
+
+    def __init__(self, call: jit_uniform, options: dict):
+        self.call, self.options, self.programs = call, dict(options), {}
+
+    def compiled(self, q, k, v):
+        """The executable for these shapes (compiled on first use)."""
+        key = tuple((tuple(x.shape), str(x.dtype)) for x in (q, k, v))
+        if key not in self.programs:
+            lowered = self.call.lower(q, k, v)
+            try:
+                program = lowered.compile(compiler_options=self.options or None)
+            except Exception as exc:
+                if "compile option" not in str(exc):    # not an option this XLA lacks
+                    raise
+                program = lowered.compile()
+            self.programs[key] = program
+        return self.programs[key]
+
+    def __call__(self, q, k, v):
+        return self.compiled(q, k, v)(q, k, v, self.call.drawn(q))
 
 
 def implied_matrix(be, call, hq, hk, v_shape, dtype, alike=None):
@@ -110,9 +147,9 @@ def compiles(be) -> bool:
 
 
 def timed(be, call, q, k, v, repeats):
-    """Warm-up call (peak memory measured on it; on JAX it compiles ``call``'s
-    ``jax.jit`` for these shapes unless an earlier call did), then ``repeats`` timed
-    calls.  ``call``: a prepared call, or a registry record (prepared here)."""
+    """Warm-up call (peak memory measured on it; on JAX it compiles ``call`` for these
+    shapes unless an earlier call did), then ``repeats`` timed calls.  ``call``: a
+    prepared call, or a registry record (prepared here)."""
     if isinstance(call, Variant):
         call = Compiled(be)(call)
     traced = be.memory == "tracemalloc"

@@ -13,13 +13,18 @@ import arrayattn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def run():
-    spec = importlib.util.spec_from_file_location("bench_run",
-                                                  os.path.join(ROOT, "benchmarks", "run.py"))
+def load_benchmark(stem: str, name: str | None = None):
+    """The script ``benchmarks/<stem>.py`` as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        name or stem, os.path.join(ROOT, "benchmarks", f"{stem}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def run():
+    return load_benchmark("run", "bench_run")
 
 
 def test_predict_extrapolates_the_measured_growth(run):
@@ -85,10 +90,7 @@ def test_compare_before_after(tmp_path):
         return subprocess.run(["git", "-C", ROOT, "worktree", "list"], capture_output=True,
                               text=True).stdout
     before = worktrees()
-    spec = importlib.util.spec_from_file_location(
-        "bench_compare", os.path.join(ROOT, "benchmarks", "compare.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("compare", "bench_compare")
     assert mod.main(["HEAD", "--rounds", "1", "--n", "256", "--heads", "1",
                      "--cases", "linear,nystrom", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "compare.md").read_text()
@@ -107,10 +109,7 @@ def test_nystrom_peer_is_the_same_algorithm():
     global pinv initialisation (float64: to rounding), so its time compares like with like."""
     torch = pytest.importorskip("torch")
     import numpy as np
-    spec = importlib.util.spec_from_file_location(
-        "bench_nystrom", os.path.join(ROOT, "benchmarks", "bench_nystrom.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("bench_nystrom")
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 48, 8)) for _ in range(3))
     with torch.no_grad():
@@ -124,10 +123,7 @@ def test_nystrom_peer_is_the_same_algorithm():
 def test_bench_gated_smoke(tmp_path):
     """benchmarks/bench_gated.py on a tiny problem: every gated variant and the baseline
     on NumPy (and jitted JAX when installed), ratios to the baseline."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_gated", os.path.join(ROOT, "benchmarks", "bench_gated.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("bench_gated")
     backends = "numpy,jax" if importlib.util.find_spec("jax") else "numpy"
     mod.main(["--n", "40", "--heads", "2", "--d", "8", "--repeats", "1",
               "--backends", backends, "--out", str(tmp_path)])
@@ -143,10 +139,7 @@ def test_bench_gpu_runs_on_the_cpu(tmp_path):
     """benchmarks/bench_gpu.py, unchanged, with a small n on whatever this machine has
     (CPU here): every case on NumPy, the other backends timed or skipped with a reason,
     and their difference from NumPy float32 at float32 rounding (no TF32 anywhere)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_gpu", os.path.join(ROOT, "benchmarks", "bench_gpu.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("bench_gpu")
     mod.main(["--n", "64", "--long-n", "128", "--heads", "2", "--d", "16", "--repeats", "1",
               "--backends", "numpy,torch,jax,cupy", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
@@ -166,10 +159,7 @@ def test_sparse_chunks_smoke(tmp_path):
     back afterwards, and the budgets really differ (the smaller one cuts more chunks)."""
     import arrayattn._devices as devices
 
-    spec = importlib.util.spec_from_file_location(
-        "sparse_chunks", os.path.join(ROOT, "benchmarks", "sparse_chunks.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("sparse_chunks")
     chosen = devices.CPU_CHUNK
     mod.main(["--variants", "local", "--sizes", "256", "--budgets", "10,20", "--heads", "2",
               "--repeats", "1", "--out", str(tmp_path / "sc")])
@@ -185,10 +175,7 @@ def test_sparse_chunks_smoke(tmp_path):
 def test_xla_inner_dim_smoke(tmp_path):
     """benchmarks/xla_inner_dim.py on two small shapes: a row per kernel and size."""
     pytest.importorskip("jax")
-    spec = importlib.util.spec_from_file_location(
-        "xla_inner_dim", os.path.join(ROOT, "benchmarks", "xla_inner_dim.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("xla_inner_dim")
     mod.main(["--dims", "8,64", "--rows", "4,8", "--out", str(tmp_path / "x")])
     rows = json.loads((tmp_path / "x.json").read_text())["rows"]
     assert len(rows) == 6 and all(r["compile_s"] > 0 and r["flat_compile_s"] > 0 for r in rows)
@@ -202,10 +189,7 @@ def test_chunk_states_smoke(tmp_path):
     pytest.importorskip("jax")
     from arrayattn.reference import scan as scan_module
 
-    spec = importlib.util.spec_from_file_location(
-        "chunk_states", os.path.join(ROOT, "benchmarks", "chunk_states.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("chunk_states")
     chosen = scan_module.XLA_CPU_CUMSUM_STEPS
     mod.main(["--variants", "linear_relu", "--sizes", "256", "--heads", "2",
               "--repeats", "1", "--out", str(tmp_path / "cs")])
@@ -216,3 +200,16 @@ def test_chunk_states_smoke(tmp_path):
     assert rows[1]["reduce_windows"] < rows[0]["reduce_windows"]
     assert [r["in_code"] for r in rows] == ["yes", ""]
 
+
+
+def test_report_xla_level_smoke(tmp_path):
+    """benchmarks/report_xla_level.py on one variant: a row per report input shape and a
+    total, both programs compiled and timed, their outputs compared."""
+    pytest.importorskip("jax")
+    mod = load_benchmark("report_xla_level")
+    mod.main(["--variants", "softmax", "--repeats", "1", "--out", str(tmp_path / "r")])
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["softmax", "softmax", "**all**"]
+    assert all(r["compile_default_s"] > 0 and r["run_level_ms"] > 0 for r in rows)
+    assert all(r["max_rel_diff"] < 1e-5 for r in rows)
+    assert (tmp_path / "r.md").read_text().count("| softmax |") == 2

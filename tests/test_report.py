@@ -338,9 +338,9 @@ def test_compiled_implied_matrix_is_the_first_heads(name):
 
 def test_compiled_ahead_once_per_shape():
     """On JAX the report compiles every variant for each input shape before the timing
-    (two at a time): afterwards the calls of every case find their program in
-    ``jax.jit``'s cache, one program per shape, and a variant that fails to trace is
-    left to fail in its own row."""
+    (two at a time): afterwards the calls of every case find their program compiled, one
+    program per shape, and a variant that fails to trace is left to fail in its own
+    row."""
     jax = pytest.importorskip("jax")
     from arrayattn._backends import get_array_backend
     from arrayattn.report_calls import Compiled
@@ -375,3 +375,69 @@ def test_compiled_ahead_once_per_shape():
         jax.monitoring.unregister_event_duration_listener(listen)
     with pytest.raises(ValueError, match="cannot trace"):
         compiled(recs[-1])(*inputs[0])
+
+
+def test_report_programs_compile_with_the_cpu_options():
+    """On a CPU the report compiles each program once per input shape with
+    ``CPU_COMPILER_OPTIONS`` (not through ``jax.jit``'s cache, which compiles with XLA's
+    defaults), and those programs give ``jax.jit``'s outputs."""
+    jax = pytest.importorskip("jax")
+    from arrayattn._backends import get_array_backend
+    from arrayattn.report_calls import CPU_COMPILER_OPTIONS, Compiled, Executables
+
+    be = get_array_backend("jax", "float32")
+    if be.device != "cpu":
+        pytest.skip("the options are for XLA's CPU backend")
+    compiled = Compiled(be)
+    assert compiled.options == CPU_COMPILER_OPTIONS
+    rng = np.random.default_rng(1)
+    q, k, v = (jax.numpy.asarray(rng.standard_normal((1, 2, 48, 16)), jax.numpy.float32)
+               for _ in range(3))
+    for name in ("softmax", "gla", "local", "lsh"):
+        call = compiled(arrayattn.get_variant(name))
+        assert isinstance(call, Executables)
+        got = np.asarray(call(q, k, v))
+        want = np.asarray(jax.jit(lambda q, k, v: call.call(q, k, v))(q, k, v))
+        eps = np.finfo(np.float32).eps
+        assert np.abs(got - want).max() <= 16 * eps * np.abs(want).max(), name
+        call(q, k, v)
+        assert len(call.programs) == 1, name         # one program for one set of shapes
+
+
+def test_executables_pass_options_and_fall_back_only_for_unknown_ones():
+    """``Executables`` hands its options to XLA; an XLA that does not know an option
+    compiles with its defaults, and any other compile error is raised."""
+    from arrayattn.report_calls import Executables
+
+    seen = []
+
+    class Lowered:
+        def __init__(self, error):
+            self.error = error
+
+        def compile(self, compiler_options=None):
+            seen.append(compiler_options)
+            if compiler_options and self.error:
+                raise RuntimeError(self.error)
+            return lambda q, k, v, drawn: ("ran", compiler_options)
+
+    class Call:
+        def __init__(self, error=None):
+            self.error = error
+
+        def lower(self, q, k, v):
+            return Lowered(self.error)
+
+        def drawn(self, q):
+            return {}
+
+    x = np.zeros((1, 2, 4, 3), np.float32)
+    assert Executables(Call(), {"level": 1})(x, x, x) == ("ran", {"level": 1})
+    assert seen == [{"level": 1}]
+    seen.clear()
+    unknown = Executables(Call("INVALID_ARGUMENT: No such compile option: 'level'"),
+                          {"level": 1})
+    assert unknown(x, x, x) == ("ran", None)
+    assert seen == [{"level": 1}, None]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        Executables(Call("out of memory"), {"level": 1})(x, x, x)
