@@ -17,7 +17,8 @@ own; ``--timeout`` bounds it).  A reference configuration, dense softmax at the 
 size, is measured too: on a shared machine the compile times scale with the load, and
 ``compile / ref`` is the load-free figure.
 
-Writes ``benchmarks/results/jit_compile.{json,md}`` (``--out`` for another stem).
+Writes ``benchmarks/results/jit_compile.{json,md}`` (``--out`` for another path stem;
+a bare name goes to ``benchmarks/results/``).
 """
 from __future__ import annotations
 
@@ -153,11 +154,20 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
     meta = {"machine": machine(), "workload": f"(1, {args.heads}, n, {args.d}) float32, "
             "CPU, uniform call, causal=True where supported", "sizes": sizes,
-            "reference_compile_s": ref_s, "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                time.gmtime())}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as fh:
+            "reference_compile_s": ref_s, "compile_repeats": args.compile_repeats,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(write_tables(args.out, meta, ref, rows, names))
+
+
+def write_tables(out: str, meta: dict, ref: dict, rows: list, names: list) -> str:
+    """``<out>.json`` and ``<out>.md`` (a bare name goes to ``benchmarks/results/``);
+    the Markdown table."""
+    if not os.path.dirname(out):
+        out = os.path.join(HERE, "results", out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as fh:
         json.dump({"meta": meta, "reference": ref, "rows": rows}, fh, indent=2)
+    sizes, ref_s = meta["sizes"], meta["reference_compile_s"]
     by = {(r["variant"], r["n"]): r for r in rows}
     lines = [f"Machine: {meta['machine'].get('cpu', '?')}, {meta['machine'].get('cpus')} "
              f"cores, load average {tuple(round(x, 1) for x in meta['machine'].get('load_average', ()))}; jax.jit on the "
@@ -165,7 +175,7 @@ def main(argv=None):
              + (f"compiles in {ref_s:.2f} s here; (Nx) = compile time / that." if ref_s
                 else f"did not compile here ({ref.get('error', '?')[:80]})."), "",
              "Each cell: XLA compile seconds (wall, and CPU seconds; the fastest of "
-             f"{args.compile_repeats} compiles), run milliseconds (median), (wall compile / "
+             f"{meta['compile_repeats']} compiles), run milliseconds (median), (wall compile / "
              "reference), constant-folding alarms if any.  ops: operations of the lowered "
              "program; loops: while loops XLA keeps in the compiled one (it inlines a "
              "loop that runs once).", "",
@@ -180,9 +190,9 @@ def main(argv=None):
         ops = "/".join(str(by.get((name, n), {}).get("ops", "-")) for n in sizes)
         loops = "/".join(str(by.get((name, n), {}).get("loops", "-")) for n in sizes)
         lines.append(f"| {name} | {ops} | {loops} | " + " | ".join(cells) + f" | {ratio} |")
-    with open(args.out + ".md", "w") as fh:
+    with open(out + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,20 @@ def test_report_xla_level_smoke(tmp_path):
     assert all(r["compile_default_s"] > 0 and r["run_level_ms"] > 0 for r in rows)
     assert all(r["max_rel_diff"] < 1e-5 for r in rows)
     assert (tmp_path / "r.md").read_text().count("| softmax |") == 2
+
+
+def test_jit_compile_tables_take_a_bare_name(tmp_path):
+    """benchmarks/jit_compile.py's ``--out``: a path stem, or a bare name that goes to
+    ``benchmarks/results/`` (a bare name once crashed at the end of a 17-minute run)."""
+    mod = load_benchmark("jit_compile")
+    mod.HERE = str(tmp_path)
+    row = {"variant": "gla", "n": 32, "compile_s": 0.5, "compile_cpu_s": 0.9,
+           "run_ms": 1.0, "ops": 10, "loops": 1, "alarms": 0}
+    meta = {"machine": {"cpu": "test", "cpus": 2, "load_average": (0.0, 0.0, 0.0)},
+            "workload": "test", "sizes": [32], "reference_compile_s": 0.25,
+            "compile_repeats": 2}
+    table = mod.write_tables("jc", meta, {"compile_s": 0.25}, [row], ["gla"])
+    assert "| gla | 10 | 1 | 0.50 s (0.90 cpu), 1 ms (2.0x) | 1.00 |" in table
+    assert (tmp_path / "results" / "jc.md").read_text().strip().endswith(table.splitlines()[-1])
+    mod.write_tables(str(tmp_path / "elsewhere" / "jc2"), meta, {}, [row], ["gla"])
+    assert json.loads((tmp_path / "elsewhere" / "jc2.json").read_text())["rows"] == [row]
