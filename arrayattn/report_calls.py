@@ -38,23 +38,22 @@ class Compiled:
         self.be, self.calls = be, {}
         #: whether each variant's heads are alike (:func:`implied_matrix`), by name
         self.alike = {}
-        self.options = (CPU_COMPILER_OPTIONS if compiles(be) and be.device == "cpu"
-                        else {})
+        self.compiles = compiles(be)
+        self.options = CPU_COMPILER_OPTIONS if self.compiles and be.device == "cpu" else {}
 
     def __call__(self, rec):
         if rec.name not in self.calls:
             call = jit_uniform(rec, self.be.compile)
-            self.calls[rec.name] = Executables(call, self.options) if compiles(self.be) \
-                else call
+            self.calls[rec.name] = Executables(call, self.options) if self.compiles else call
         return self.calls[rec.name]
 
     def ahead(self, recs, inputs, workers: int = 2):
         """Compile every variant of ``recs`` for every input triple of ``inputs`` before
         anything is timed, ``workers`` programs at a time (XLA compiles outside Python's
         lock, so one program traces while another compiles); the timed calls then find
-        them in ``jax.jit``'s cache.  A variant that fails here fails again in its row,
+        them compiled (:class:`Executables`).  A variant that fails here fails again in its row,
         where the error is reported."""
-        if not compiles(self.be):
+        if not self.compiles:
             return
         jobs = [(self(rec), args) for rec in recs for args in inputs]
 
