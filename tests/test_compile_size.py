@@ -159,3 +159,16 @@ def test_jit_compile_benchmark_smoke(tmp_path):
                for r in rows.values())
     assert rows[("gla", 32)]["ops"] == rows[("gla", 64)]["ops"]
     assert "| gla |" in (tmp_path / "jc.md").read_text()
+
+
+@pytest.mark.parametrize("name, sizes", [("strided", (1024, 4096)), ("fixed", (1024, 16384)),
+                                         ("lsh", (1024, 16384))])
+def test_loops_that_a_budget_adds_are_there_at_every_n(name, sizes):
+    """At the benchmark's ``(1, 8, n, 64)`` a strided or fixed row fits the chunk budget
+    at n = 1024 and not at the larger size, and LSH's chunks fit one block of the tile.
+    The programs keep the loop at both -- strided and fixed rows in merged parts
+    (``sparse.executor.SHORT_ROW``), LSH in two blocks at least -- so they are the same
+    program; they used to gain the loop (strided 163 -> 241 operations, LSH 392 -> 440)."""
+    rec = arrayattn.get_variant(name)
+    counts = [_ops(lambda q, k, v: rec(q, k, v), *[(1, 8, n, 64)] * 3) for n in sizes]
+    assert counts[0] == counts[1], counts

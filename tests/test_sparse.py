@@ -354,3 +354,45 @@ def test_jax_jit_traces_the_block_sparse_path(rng):
     jitted = jax.jit(lambda a, b, c, m: sparse_attention(a, b, c, layout=lay, key_mask=m,
                                                          causal=True))(q, k, v, km)
     xp_assert_close(jitted, eager, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_block_tables_give_the_key_tables_mask(name, causal):
+    # Point keys and no global key: mask_tables sends one code and index per key block,
+    # mask_from makes each key's code and position from them; the mask must be the one
+    # of the per-key tables, on every group of the plan (short last block included).
+    from arrayattn.sparse import tiles
+
+    lay = PATTERNS[name](causal)
+    point = lay.key_start is None and not lay.global_tokens.size
+    for rows, idx, valid in lay.plan + lay.scan_plan:
+        t = tiles.mask_tables(np, lay, rows, idx, valid, causal=causal, device="cpu")
+        assert ("bcode" in t) == point and ("code" in t) != point
+        kstart, kend, code, apos, gq, rules = tiles._chunk_masks(lay, rows, idx, valid,
+                                                                causal=causal)
+        per_key = {"code": code}
+        if rules:
+            per_key.update(kend=kend, kstart=kstart, apos=apos)
+            if gq is not None:
+                per_key["gq"] = gq
+        got = tiles.mask_from(np, lay, t, causal=causal)
+        np.testing.assert_array_equal(got, tiles.mask_from(np, lay, per_key, causal=causal))
+        if point:                                   # one entry per block, not per key
+            assert t["bcode"].shape == t["idx"].shape == idx.shape
+
+
+def test_scan_plan_cuts_a_group_only_where_it_halves_the_work():
+    # The scanned form's groups are loop bodies of a compiled program: a global row that
+    # reaches every block is cut off (it saves 88 % of the padded work), a band whose
+    # edge rows reach fewer blocks is not (12 % here; Poolingformer's pooled level: 25 %).
+    from arrayattn.sparse.layout import group_rows
+
+    glob = np.eye(16, dtype=bool)
+    glob[0] = True
+    assert [g[0].size for g in group_rows(glob, 4, 0, max_groups=4)] == [1, 15]
+    band = np.zeros((16, 16), dtype=bool)
+    band[:8, :2] = band[8:, :4] = True          # two groups: 8 * 2 + 8 * 4 = 48 of 64
+    cut = group_rows(band, 4, 0, max_groups=4)
+    assert len(cut) == 1 and cut[0][1].shape == (16, 4)
+    assert len(group_rows(band, 4, 0)) == 2     # the NumPy engine's plan does cut it

@@ -8,8 +8,8 @@ import numpy as np
 from .._xp import xp_from_host
 from ..reference.indexing import take_in_bounds
 
-__all__ = ["host_indices", "tile_mask", "mask_tables", "mask_from", "PER_KEY", "tile_bias",
-           "tile_bias_at", "blocked"]
+__all__ = ["host_indices", "tile_mask", "mask_tables", "mask_from", "PER_KEY", "PER_BLOCK",
+           "tile_bias", "tile_bias_at", "blocked"]
 
 
 def host_indices(xp, a, device):
@@ -52,9 +52,10 @@ def tile_mask(xp, layout, rows, idx, valid, *, causal: bool, device):
                                              device=device), causal=causal)
 
 
-#: The tables of :func:`mask_tables` with one entry per gathered key slot (the others
-#: have one per query row).
+#: The tables of :func:`mask_tables` with one entry per gathered key slot, and those
+#: with one per gathered key block (the others have one per query row).
 PER_KEY = ("code", "kend", "kstart")
+PER_BLOCK = ("bcode", "idx")
 
 
 def mask_tables(xp, layout, rows, idx, valid, *, causal: bool, device) -> dict:
@@ -62,7 +63,21 @@ def mask_tables(xp, layout, rows, idx, valid, *, causal: bool, device) -> dict:
     ``idx, valid (G, R)`` as device int32 arrays, by name, only those the pattern's
     rules use: ``code (G, R*b)`` (0 padding, 1 reachable, 2 allowed by a whole block or a
     global key), ``kend``/``kstart (G, R*b)`` (the keys' last and first positions),
-    ``apos (G, b)`` (the queries' positions), ``gq (G, b)`` (global queries)."""
+    ``apos (G, b)`` (the queries' positions), ``gq (G, b)`` (global queries).
+
+    Where keys are positions and none is global, every key of a block has its block's
+    code, and its position is its block's start plus its offset: then ``bcode`` and
+    ``idx (G, R)`` (the blocks' codes and indices) stand for ``code`` and ``kend``,
+    which :func:`mask_from` makes on the device -- ``b`` times fewer host integers, which
+    a compiled program carries as constants (strided at ``n = 16384``: 21 MB of program
+    text with the key tables)."""
+    if layout.key_start is None and not layout.global_tokens.size:
+        b = layout.block_size
+        host = {"bcode": np.where(valid, np.where(layout.blocks[rows[:, None], idx], 2, 1), 0),
+                "idx": idx}
+        if layout.window is not None or causal:
+            host["apos"] = rows[:, None] * b + np.arange(b) + layout.shift
+        return {name: host_indices(xp, a, device) for name, a in host.items()}
     kstart, kend, code, apos, gq, needs_rules = _chunk_masks(layout, rows, idx, valid,
                                                              causal=causal)
     host = {"code": code}
@@ -79,6 +94,8 @@ def mask_from(xp, layout, t: dict, *, causal: bool):
     """The ``(G, b, R*b)`` mask from the tables ``t`` of :func:`mask_tables` (or a
     scanned chunk's slice of them, ``G`` any leading shape): the one place the pattern's
     token-level rules are applied."""
+    if "bcode" in t:
+        t = {**t, **_key_tables(xp, layout, t["bcode"], t["idx"])}
     code_x = xp.expand_dims(t["code"], axis=-2)                              # (G, 1, Rb)
     allowed = code_x == 2
     if "apos" not in t:
@@ -95,6 +112,19 @@ def mask_from(xp, layout, t: dict, *, causal: bool):
     if causal:
         allowed = allowed & (kend_x <= apos_x)
     return allowed
+
+
+def _key_tables(xp, layout, bcode, kblock) -> dict:
+    """``code`` and ``kend (G, R*b)`` of point keys from their blocks' codes ``bcode`` and
+    indices ``kblock (G, R)`` (:func:`mask_tables`): a slot past the last key is padding."""
+    b, s = layout.block_size, layout.s
+    ar = xp.arange(b, dtype=kblock.dtype, device=array_api_compat.device(kblock))
+    kpos = xp.reshape(xp.expand_dims(kblock, axis=-1) * b + ar,
+                      (*kblock.shape[:-1], kblock.shape[-1] * b))
+    code = xp.reshape(xp.broadcast_to(xp.expand_dims(bcode, axis=-1), (*bcode.shape, b)),
+                      kpos.shape)
+    return {"code": xp.where(kpos < s, code, xp.zeros_like(code)),
+            "kend": xp.minimum(kpos, s - 1)}
 
 
 def tile_bias(xp, bias, rows, kpos, layout, device):
