@@ -384,8 +384,8 @@ def test_block_tables_give_the_key_tables_mask(name, causal):
 
 def test_scan_plan_cuts_a_group_only_where_it_halves_the_work():
     # The scanned form's groups are loop bodies of a compiled program: a global row that
-    # reaches every block is cut off (it saves 88 % of the padded work), a band whose
-    # edge rows reach fewer blocks is not (12 % here; Poolingformer's pooled level: 25 %).
+    # reaches every block is cut off (it saves 88 % of the padded work), rows that reach
+    # a few blocks fewer are not (25 % here, as Poolingformer's pooled level's edge rows).
     from arrayattn.sparse.layout import group_rows
 
     glob = np.eye(16, dtype=bool)

@@ -201,8 +201,9 @@ def scanned_group(g: Gathered, group, per_slot: int, per_row: int, budget: int):
 
     A :func:`~arrayattn.reference.scan.scan` over chunks of ``step`` query blocks (the
     last block repeated to fill the last chunk, the repeats dropped after) and, in each
-    chunk, over parts of ``span`` key blocks (masked slots fill the last part) whose
-    partial softmaxes are merged by log-sum-exp.  The pattern's tables are built once
+    chunk, over parts of ``span`` key blocks (masked slots fill the last part; two parts
+    at least for rows of more than :data:`SHORT_ROW` blocks) whose partial softmaxes are
+    merged by log-sum-exp.  The pattern's tables are built once
     on the host (:func:`~arrayattn.sparse.tiles.mask_tables`) and scanned with the
     chunks; the mask of a part is made from its slice.  ``budget`` bounds a chunk's
     elements as in :func:`cut_chunks`; the chunks (parts) are of equal size."""

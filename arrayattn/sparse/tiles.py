@@ -26,22 +26,27 @@ def _chunk_masks(layout, rows, idx, valid, *, causal: bool):
     b = layout.block_size
     ar = np.arange(b)
     kpos = (idx[:, :, None] * b + ar).reshape(idx.shape[0], -1)
-    kvalid = np.repeat(valid, b, axis=1) & (kpos < layout.s)
-    full = np.repeat(layout.blocks[rows[:, None], idx], b, axis=1)
+    code = np.where(kpos < layout.s, np.repeat(_block_codes(layout, rows, idx, valid), b,
+                                               axis=1), 0)
     qpos = rows[:, None] * b + ar
     gq = None
     if layout.global_tokens.size:
         g = np.zeros(max(layout.n, layout.s) + b * 2, dtype=bool)
         g[layout.global_tokens] = True
-        full = full | g[kpos]
+        code = np.where((code == 1) & g[kpos], 2, code)
         gq = g[qpos]
         if not gq.any():
             gq = None
-    code = np.where(kvalid, np.where(full, 2, 1), 0)
     # A row can skip the token-level rules when every slot is already decided.
     needs_rules = layout.window is not None or gq is not None or causal
     kstart, kend = layout.key_span(np.minimum(kpos, layout.s - 1))
     return kstart, kend, code, qpos + layout.shift, gq, needs_rules
+
+
+def _block_codes(layout, rows, idx, valid):
+    """The codes of the key blocks ``idx, valid (G, R)`` gathered by query blocks ``rows``:
+    0 padding, 1 reachable, 2 allowed whole."""
+    return np.where(valid, np.where(layout.blocks[rows[:, None], idx], 2, 1), 0)
 
 
 def tile_mask(xp, layout, rows, idx, valid, *, causal: bool, device):
@@ -73,8 +78,7 @@ def mask_tables(xp, layout, rows, idx, valid, *, causal: bool, device) -> dict:
     text with the key tables)."""
     if layout.key_start is None and not layout.global_tokens.size:
         b = layout.block_size
-        host = {"bcode": np.where(valid, np.where(layout.blocks[rows[:, None], idx], 2, 1), 0),
-                "idx": idx}
+        host = {"bcode": _block_codes(layout, rows, idx, valid), "idx": idx}
         if layout.window is not None or causal:
             host["apos"] = rows[:, None] * b + np.arange(b) + layout.shift
         return {name: host_indices(xp, a, device) for name, a in host.items()}
@@ -95,7 +99,7 @@ def mask_from(xp, layout, t: dict, *, causal: bool):
     scanned chunk's slice of them, ``G`` any leading shape): the one place the pattern's
     token-level rules are applied."""
     if "bcode" in t:
-        t = {**t, **_key_tables(xp, layout, t["bcode"], t["idx"])}
+        t = {**t, **_key_tables(xp, layout, t["bcode"], t["idx"], positions="apos" in t)}
     code_x = xp.expand_dims(t["code"], axis=-2)                              # (G, 1, Rb)
     allowed = code_x == 2
     if "apos" not in t:
@@ -114,17 +118,20 @@ def mask_from(xp, layout, t: dict, *, causal: bool):
     return allowed
 
 
-def _key_tables(xp, layout, bcode, kblock) -> dict:
-    """``code`` and ``kend (G, R*b)`` of point keys from their blocks' codes ``bcode`` and
-    indices ``kblock (G, R)`` (:func:`mask_tables`): a slot past the last key is padding."""
+def _key_tables(xp, layout, bcode, kblock, *, positions: bool) -> dict:
+    """``code`` and (with ``positions``) ``kend (G, R*b)`` of point keys from their
+    blocks' codes ``bcode`` and indices ``kblock (G, R)`` (:func:`mask_tables`): a slot
+    past the last key is padding."""
     b, s = layout.block_size, layout.s
     ar = xp.arange(b, dtype=kblock.dtype, device=array_api_compat.device(kblock))
     kpos = xp.reshape(xp.expand_dims(kblock, axis=-1) * b + ar,
                       (*kblock.shape[:-1], kblock.shape[-1] * b))
     code = xp.reshape(xp.broadcast_to(xp.expand_dims(bcode, axis=-1), (*bcode.shape, b)),
                       kpos.shape)
-    return {"code": xp.where(kpos < s, code, xp.zeros_like(code)),
-            "kend": xp.minimum(kpos, s - 1)}
+    out = {"code": xp.where(kpos < s, code, xp.zeros_like(code))}
+    if positions:
+        out["kend"] = xp.minimum(kpos, s - 1)
+    return out
 
 
 def tile_bias(xp, bias, rows, kpos, layout, device):
