@@ -230,3 +230,16 @@ def test_jit_compile_tables_take_a_bare_name(tmp_path):
     assert (tmp_path / "results" / "jc.md").read_text().strip().endswith(table.splitlines()[-1])
     mod.write_tables(str(tmp_path / "elsewhere" / "jc2"), meta, {}, [row], ["gla"])
     assert json.loads((tmp_path / "elsewhere" / "jc2.json").read_text())["rows"] == [row]
+
+
+def test_report_jax_cache_smoke(tmp_path):
+    """benchmarks/report_jax_cache.py on one variant: a cold run, one that fills JAX's
+    persistent cache and one that reads every program back from it, with the same errors."""
+    pytest.importorskip("jax")
+    mod = load_benchmark("report_jax_cache")
+    mod.main(["--variants", "linear_elu", "--rounds", "1", "--out", str(tmp_path / "c")])
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["cold", "fills the cache", "from the cache"]
+    assert all(r["wall_s"] > 0 and r["cpu_s"] > 0 and r["peak_gb"] > 0 for r in rows)
+    assert rows[0]["cache_entries"] == "" and rows[2]["cache_entries"] >= 2  # two shapes
+    assert all(r["errors_identical"] for r in rows)
