@@ -43,15 +43,15 @@ def run_report(cache: str | None, json_path: str, variants: str | None = None) -
         env.update(zip(CACHE_ENV, (cache, "0")))
     cmd = [sys.executable, "-m", "arrayattn", "report", "--backend", "jax", "--quiet",
            "--json", json_path] + (["--variants", variants] if variants else [])
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)   # this child's own usage
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read()
-    proc.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"report failed: {err[-2000:]}")
+    with tempfile.TemporaryFile("w+") as log:      # a file: a pipe could fill and block
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        _, status, usage = os.wait4(proc.pid, 0)   # this child's own usage
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            log.seek(0)
+            raise RuntimeError(f"report failed: {log.read()[-2000:]}")
     with open(json_path) as fh:
         rows = json.load(fh)["rows"]
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
