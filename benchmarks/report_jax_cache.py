@@ -48,7 +48,7 @@ def run_report(cache: str | None, json_path: str, variants: str | None = None) -
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
         _, status, usage = os.wait4(proc.pid, 0)   # this child's own usage
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here, not by Popen
         if proc.returncode != 0:
             log.seek(0)
             raise RuntimeError(f"report failed: {log.read()[-2000:]}")
