@@ -4,37 +4,39 @@ Every variant is written once against the array API standard and runs on NumPy, 
 PyTorch, JAX and array-api-strict arrays, returning an array of the caller's own
 library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 """
-from .registry import Variant, attention_matrix, get_variant, jit_uniform, register, variants
-from ._engine import use_engine
+from .registry.variant import Variant
+from .registry import attention_matrix, get_variant, jit_uniform, register, variants
+from .core.engine import use_engine
 from . import reference
-# The registry is built from arrayattn.catalogue.VARIANTS (one table) when first read:
+# The registry is built from arrayattn.registry.catalogue.VARIANTS (one table) when first read:
 # importing these modules registers nothing.
-from .exact import softmax_attention
-from .paged import paged_attention
-from .feature_maps import FeatureMap, get_feature_map, taylor_feature_map
-from .kernel import (LinearAttentionState, efficient_attention, feature_attention,
-                     feature_attention_step, linear_attention, linear_attention_state,
-                     linear_attention_step)
-from .random_features import RandomFeatures, estimate_kernel, gerf_parameter, kernel_variance
-from .performer import performer_attention
-from .rfa import rfa_attention, rfa_features
-from .gated import (delta_attention, gated_attention_step, gated_delta_attention,
-                    gla_attention, retention, retention_gammas, ssd_attention)
-from .linalg import pinv
-from .nystrom import landmark_attention, nystrom_attention, segment_means
-from .linformer import linformer_attention, linformer_projection
-from .luna import luna_attention
+from .exact.softmax import softmax_attention
+from .exact.paged import paged_attention
+from .kernel.feature_maps import FeatureMap, get_feature_map, taylor_feature_map
+from .kernel.linear import (LinearAttentionState, efficient_attention, feature_attention,
+                            feature_attention_step, linear_attention, linear_attention_state,
+                            linear_attention_step)
+from .random_features.estimates import (RandomFeatures, estimate_kernel, gerf_parameter,
+                                        kernel_variance)
+from .random_features.performer import performer_attention
+from .random_features.rfa import rfa_attention, rfa_features
+from .gated.api import (delta_attention, gated_attention_step, gated_delta_attention,
+                        gla_attention, retention, retention_gammas, ssd_attention)
+from .lowrank.pinv import pinv
+from .lowrank.nystrom import landmark_attention, nystrom_attention, segment_means
+from .lowrank.linformer import linformer_attention, linformer_projection
+from .lowrank.luna import luna_attention
 from .sparse import (BlockLayout, bigbird_layout, block_layout, fixed_layout, local_attention,
                      local_layout, longformer_layout, sparse_attention, strided_layout)
-from .pooling import pooled_spans, pooling_attention
-from .lsh import lsh_attention, lsh_buckets, lsh_rotations
+from .sparse.pooling import pooled_spans, pooling_attention
+from .sparse.lsh import lsh_attention, lsh_buckets, lsh_rotations
 from .backward import vjp
 
 __version__ = "0.1.0"
 
 #: Submodules loaded on first attribute access (``arrayattn.testing.assert_matches_reference``
 #: works after a plain ``import arrayattn``; the import itself stays light).
-_LAZY = ("testing", "grad_testing", "report", "cli", "distributed")
+_LAZY = ("testing", "report", "cli", "distributed")
 
 
 def __getattr__(name):

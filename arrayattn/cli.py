@@ -295,10 +295,10 @@ def _check_writable(label: str, path: str) -> None:
 
 
 def _report(args) -> int:
-    from ._backends import BackendUnavailable, get_array_backend
+    from .report.backends import BackendUnavailable, get_array_backend
     from .registry import get_variant
-    from .report import (CASES, Progress, Workload, format_table, plot_report, run_report,
-                         run_sweeps, sweep_steps, write_json)
+    from .report.run import (CASES, Progress, Workload, format_table, plot_report, run_report,
+                             run_sweeps, sweep_steps, write_json)
 
     w = Workload(batch=args.batch, heads=args.heads, n=args.n, d=args.d, dtype=args.dtype,
                  seed=args.seed, repeats=args.repeats, backend=args.backend)
@@ -358,7 +358,7 @@ def _report_parser(sub):
         "output vs exact float64 attention, max row L1 error of the implied matrix (first "
         "head, n <= 2048), worst row-sum deviation, median time, peak memory, "
         "approximation parameter.")
-    from ._backends import BACKENDS, DTYPES
+    from .report.backends import BACKENDS, DTYPES
     rep.add_argument("--backend", default="numpy", choices=BACKENDS)
     rep.add_argument("--n", type=int, default=1024, help="tokens (n = s); default 1024")
     rep.add_argument("--d", type=int, default=64, help="head dimension (d = dv); default 64")

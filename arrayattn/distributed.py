@@ -136,7 +136,7 @@ def ring_attention(q, k, v, *, mesh, axis_name: str, causal: bool = False, scale
     >>> bool(np.allclose(out, softmax_attention(q, k, v, causal=True), atol=1e-5))
     True
     """
-    from ._validate import check_flag, check_qkv, check_scale
+    from .core.checks import check_flag, check_qkv, check_scale
     p_ = check_qkv(q, k, v)
     if p_.n != p_.s:
         raise ValueError(f"ring_attention is self-attention (n == s); got n={p_.n}, s={p_.s}")
@@ -220,8 +220,8 @@ def sequence_parallel_linear_attention(q, k, v, *, mesh, axis_name: str,
     >>> bool(np.allclose(out, linear_attention(q, k, v, causal=True), atol=1e-5))
     True
     """
-    from ._validate import check_positive_int, check_qkv
-    from .feature_maps import get_feature_map
+    from .core.checks import check_positive_int, check_qkv
+    from .kernel.feature_maps import get_feature_map
     p_ = check_qkv(q, k, v)
     p = mesh.shape[axis_name]
     if p_.n != p_.s or p_.n % p:

@@ -137,7 +137,7 @@ def run(n: int, long_n: int, heads: int, d: int, repeats: int, backends) -> list
             row = {"backend": backend, "device": device, "case": case, "n": size}
             try:
                 out, t = _time(lambda: f(q, k, v), sync, repeats)
-                host_out = np.asarray(aa._xp.to_numpy(out), dtype=np.float64)
+                host_out = np.asarray(aa.core.xp.to_numpy(out), dtype=np.float64)
                 row["ms"] = t * 1e3
                 if backend == "numpy":
                     base[case] = host_out

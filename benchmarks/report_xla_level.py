@@ -5,7 +5,7 @@
 ``arrayattn report --backend jax`` compiles every variant once per input shape of its
 default workload -- ``(1, 2, 1024, 64)`` and the real heads' ``(1, 36, 256, 32)``,
 float32 -- and on a CPU it compiles them with
-:data:`arrayattn.report_calls.CPU_COMPILER_OPTIONS` (LLVM at XLA's backend optimisation
+:data:`arrayattn.report.calls.CPU_COMPILER_OPTIONS` (LLVM at XLA's backend optimisation
 level 1 instead of the default 2).  Per variant and shape, this measures both programs
 in one process: compile seconds, run time (the fastest of ``--repeats`` calls, the two
 programs alternated, so the machine's load falls on both alike) and the largest
@@ -67,8 +67,8 @@ def main(argv=None):
 
     from _measure import machine, write_results
     from arrayattn.registry import get_variant, variants
-    from arrayattn.report import CASES, Workload, _round, make_inputs
-    from arrayattn.report_calls import CPU_COMPILER_OPTIONS
+    from arrayattn.report.run import CASES, Workload, _round, make_inputs
+    from arrayattn.report.calls import CPU_COMPILER_OPTIONS
 
     w = Workload(backend="jax")
     shapes = {}

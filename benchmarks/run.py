@@ -44,9 +44,9 @@ sys.path.insert(0, HERE)
 import numpy as np  # noqa: E402
 
 import arrayattn  # noqa: E402
-from arrayattn._backends import BackendUnavailable, get_array_backend  # noqa: E402
-from arrayattn.report import Workload, make_inputs  # noqa: E402
-from arrayattn.report_calls import timed  # noqa: E402
+from arrayattn.report.backends import BackendUnavailable, get_array_backend  # noqa: E402
+from arrayattn.report.run import Workload, make_inputs  # noqa: E402
+from arrayattn.report.calls import timed  # noqa: E402
 from _measure import machine, peak_rss_growth  # noqa: E402
 
 DEFAULT_N = [1024, 2048, 4096, 8192, 16384, 32768, 65536]

@@ -4,7 +4,7 @@
     python benchmarks/sparse_chunks.py [--variants local,longformer] [--sizes 1024,4096]
                                        [--budgets 18,20,23] [--heads 8] [--repeats 5]
 
-Per pattern, ``n`` and budget ``2^b`` elements (:data:`arrayattn._devices.CPU_CHUNK`,
+Per pattern, ``n`` and budget ``2^b`` elements (:data:`arrayattn.core.devices.CPU_CHUNK`,
 patched for the run): the uniform call ``rec(q, k, v)`` (``causal=True`` where the record
 supports it) on ``(1, heads, n, 64)`` float32 inputs -- NumPy: the median of
 ``--repeats`` calls and the traced peak of one; JAX: XLA compile seconds (a fresh
@@ -66,7 +66,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import arrayattn
-    import arrayattn._devices as devices
+    import arrayattn.core.devices as devices
     from _measure import machine, write_results
 
     chosen = devices.CPU_CHUNK

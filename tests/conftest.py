@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from arrayattn._xp import to_numpy
+from arrayattn.core.xp import to_numpy
 
 # Hypothesis: a quick profile for CI (the default), a thorough one to run by hand:
 #   HYPOTHESIS_PROFILE=thorough pytest

@@ -157,7 +157,7 @@ def test_bench_gpu_runs_on_the_cpu(tmp_path):
 def test_sparse_chunks_smoke(tmp_path):
     """benchmarks/sparse_chunks.py on a tiny problem: one row per budget, the budget put
     back afterwards, and the budgets really differ (the smaller one cuts more chunks)."""
-    import arrayattn._devices as devices
+    import arrayattn.core.devices as devices
 
     mod = load_benchmark("sparse_chunks")
     chosen = devices.CPU_CHUNK

@@ -1,5 +1,5 @@
-"""The house (issue #27, point 5), measured on the source: module and function sizes, the
-import graph, one registry table and one call pipeline.
+"""The house (issues #27 and #38), measured on the source: module and function sizes, the
+import graph and its layers, one registry table and one call pipeline.
 
 Each test reads ``arrayattn/`` as text or as Python's AST; none imports a backend.
 """
@@ -41,11 +41,12 @@ def _functions(path: pathlib.Path):
 
 
 def _module_imports(path: pathlib.Path) -> set[str]:
-    """The arrayattn modules ``path`` imports at module level (not inside functions)."""
+    """The arrayattn modules ``path`` imports, at module level or inside a function (a lazy
+    import that closes a loop is still a loop)."""
     me = _name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -100,27 +101,80 @@ def test_import_graph_has_no_cycle():
             visit(node, [])
 
 
-@pytest.mark.parametrize("layer, allowed", [
-    ("arrayattn.reference", ("arrayattn.reference", "arrayattn._xp")),
-    ("arrayattn._numpy", ("arrayattn._numpy", "arrayattn.reference", "arrayattn._xp")),
-])
-def test_no_import_runs_back_up(layer, allowed):
-    """The reference forms import only each other (and the array-API helpers); the NumPy
-    engine imports only itself and the reference forms: neither reaches back up into
-    the public modules, the pipeline or the validation."""
+#: The root's entries and what each may import besides itself: the architecture, bottom up.
+#: The reference forms import nothing else; the NumPy engine only them; the core (pipeline,
+#: engine choice, array-API plumbing, shared checks) those two; each family the core;
+#: random features build on kernel attention (and RFA's gate on the gated family); the
+#: registry reads every family; the tools sit on top.
+FAMILIES = ("arrayattn.exact", "arrayattn.kernel", "arrayattn.gated", "arrayattn.lowrank",
+            "arrayattn.sparse")
+BELOW_FAMILIES = ("arrayattn.reference", "arrayattn._numpy", "arrayattn.core")
+LAYERS = {
+    "arrayattn.reference": (),
+    "arrayattn._numpy": ("arrayattn.reference",),
+    "arrayattn.core": ("arrayattn.reference", "arrayattn._numpy"),
+    **{family: BELOW_FAMILIES for family in FAMILIES},
+    "arrayattn.random_features": BELOW_FAMILIES + ("arrayattn.kernel", "arrayattn.gated"),
+    "arrayattn.registry": BELOW_FAMILIES + FAMILIES + ("arrayattn.random_features",),
+    "arrayattn.backward": BELOW_FAMILIES + FAMILIES + ("arrayattn.random_features",
+                                                       "arrayattn.registry"),
+    "arrayattn.distributed": BELOW_FAMILIES + FAMILIES + ("arrayattn.registry",),
+    "arrayattn.testing": BELOW_FAMILIES + FAMILIES + ("arrayattn.registry",
+                                                      "arrayattn.backward"),
+    "arrayattn.report": BELOW_FAMILIES + ("arrayattn.registry", "arrayattn.data"),
+    "arrayattn.cli": ("arrayattn.core", "arrayattn.registry", "arrayattn.report",
+                      "arrayattn.testing"),
+    "arrayattn.__main__": ("arrayattn.cli",),
+    "arrayattn.data": (),
+}
+
+
+def _entry(module: str) -> str:
+    """The root entry (package or module) that ``module`` belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_root_reads_as_the_architecture():
+    """The root holds about fifteen entries, each one named in :data:`LAYERS`."""
+    entries = {_entry(_name(p)) for p in SOURCES if p.parent != PACKAGE or p.name != "__init__.py"}
+    assert entries == set(LAYERS), ("root entries not in the layer table",
+                                    entries ^ set(LAYERS))
+    assert len(entries) <= 18
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_no_import_runs_back_up(layer):
+    """Each root entry imports only itself and the entries below it (:data:`LAYERS`),
+    lazy imports included: the reference forms none of the rest, the NumPy engine only the
+    reference forms, no family another family's internals but as the table says."""
     up = []
     for path in SOURCES:
         name = _name(path)
-        if name == layer or name.startswith(layer + "."):
+        if _entry(name) == layer and name != "arrayattn":
             up += [(name, t) for t in _module_imports(path)
-                   if not any(t == a or t.startswith(a + ".") for a in allowed)]
+                   if _entry(t) != layer and _entry(t) not in LAYERS[layer]]
     assert not up, f"imports running back up: {up}"
+
+
+def test_the_layer_table_has_no_circle():
+    """The layers themselves form no circle (so no module-level circle can hide in them)."""
+    done: set[str] = set()
+
+    def visit(node, path):
+        assert node not in path, "circle in LAYERS: " + " -> ".join(path + (node,))
+        for below in LAYERS[node]:
+            if below not in done:
+                visit(below, path + (node,))
+        done.add(node)
+
+    for node in LAYERS:
+        visit(node, ())
 
 
 def test_registry_is_the_catalogue_table():
     """The registry holds exactly the catalogue's rows, in their order; no module
     registers a variant at import."""
-    from arrayattn.catalogue import VARIANTS
+    from arrayattn.registry.catalogue import VARIANTS
     assert [rec.name for rec in arrayattn.variants()][:len(VARIANTS)] == [
         rec.name for rec in VARIANTS]
     callers = [_name(p) for p in SOURCES
@@ -131,7 +185,7 @@ def test_registry_is_the_catalogue_table():
 def test_every_catalogue_function_runs_one_pipeline():
     """Each catalogue row's public function is its signature, numpydoc and one
     ``run(SPEC, ...)`` call: its body is a single ``return run(...)``."""
-    from arrayattn.catalogue import VARIANTS
+    from arrayattn.registry.catalogue import VARIANTS
     import inspect
     import textwrap
     for fn in {rec.fn for rec in VARIANTS}:
@@ -147,7 +201,7 @@ def test_every_catalogue_function_runs_one_pipeline():
 
 
 def _spec_of(fn):
-    """The :class:`~arrayattn.pipeline.Spec` a public function runs (``return run(S, ...)``)."""
+    """The :class:`~arrayattn.core.pipeline.Spec` a public function runs (``return run(S, ...)``)."""
     import inspect
     import textwrap
     fn = inspect.unwrap(fn)
@@ -159,8 +213,8 @@ def test_every_spec_says_what_none_means():
     """Options declared as data: for every catalogue function, its Spec names exactly the
     options whose default is ``None`` and says what ``None`` means for each."""
     import inspect
-    from arrayattn.catalogue import VARIANTS
-    from arrayattn.pipeline import Spec
+    from arrayattn.registry.catalogue import VARIANTS
+    from arrayattn.core.pipeline import Spec
     for fn in {rec.fn for rec in VARIANTS}:
         spec = _spec_of(fn)
         assert isinstance(spec, Spec), fn.__name__

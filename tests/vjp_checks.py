@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from arrayattn._xp import xp_device
+from arrayattn.core.xp import xp_device
 
 
 def assert_grads_on_backend(backend, call, q, k, v, do, opts=None, *, rtol=1e-12):

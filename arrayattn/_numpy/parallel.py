@@ -12,7 +12,7 @@ Process-wide state and how it is kept safe:
 
 * The BLAS thread count is process-wide.  It is changed only inside a section, and every
   public call on NumPy holds :data:`LOCK` for its whole duration
-  (:func:`arrayattn._engine.entry`): concurrent calls are serialised (each uses every core
+  (:func:`arrayattn.core.engine.entry`): concurrent calls are serialised (each uses every core
   already), so two identical calls give bit-identical results whatever other threads of
   arrayattn do.
 * ``fork``: :data:`LOCK` is taken before a fork and released after it in the parent; the
@@ -63,7 +63,7 @@ _split: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def serialised():
     """Hold :data:`LOCK` for the ``with`` block: what every public call on NumPy computes
-    in (:func:`arrayattn._engine.entry`), so the engine's BLAS thread count and pool are
+    in (:func:`arrayattn.core.engine.entry`), so the engine's BLAS thread count and pool are
     never changed under another call."""
     with LOCK:          # the module's LOCK at entry (a forked child has a fresh one)
         yield

@@ -10,22 +10,23 @@ argument's dtype.  :data:`TABLE` maps each public function to its adapter.
 """
 from __future__ import annotations
 
-from .._heads import group_heads
-from .._validate import broadcast_batch, check_array, check_same_array_kind
-from .._xp import xp_namespace
-from ..registry import Variant, get_variant
-from ..exact import softmax_attention
-from ..gated import (delta_attention, gated_delta_attention, gla_attention, retention,
-                     ssd_attention)
-from ..kernel import efficient_attention, feature_attention, linear_attention
-from ..linformer import linformer_attention
-from ..luna import luna_attention
-from ..nystrom import landmark_attention, nystrom_attention
-from ..performer import performer_attention
-from ..pooling import pooling_attention
-from ..rfa import rfa_attention
+from ..core.heads import group_heads
+from ..core.checks import broadcast_batch, check_array, check_same_array_kind
+from ..core.xp import xp_namespace
+from ..registry.variant import Variant
+from ..registry import get_variant
+from ..exact.softmax import softmax_attention
+from ..gated.api import (delta_attention, gated_delta_attention, gla_attention, retention,
+                         ssd_attention)
+from ..kernel.linear import efficient_attention, feature_attention, linear_attention
+from ..lowrank.linformer import linformer_attention
+from ..lowrank.luna import luna_attention
+from ..lowrank.nystrom import landmark_attention, nystrom_attention
+from ..random_features.performer import performer_attention
+from ..sparse.pooling import pooling_attention
+from ..random_features.rfa import rfa_attention
 from ..sparse import local_attention, sparse_attention
-from .. import performer as _performer_forward
+from ..random_features import performer as _performer_forward
 # the backward adapters, one module per family (named _x: arrayattn.backward.x stays
 # the backward module, not shadowed by the forward module of the same name)
 from . import delta as _delta

@@ -14,9 +14,9 @@ are constants and get no cotangent.
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
-from .._validate_gated import GatedCall, check_delta, check_gated_delta
-from ..gated import DELTA_CALL_SPEC, GATED_DELTA_CALL_SPEC
+from ..core.engine import entry
+from ..gated.checks import GatedCall, check_delta, check_gated_delta
+from ..gated.api import DELTA_CALL_SPEC, GATED_DELTA_CALL_SPEC
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["delta_attention_vjp", "gated_delta_attention_vjp", "deltanet_vjp",
@@ -24,7 +24,7 @@ __all__ = ["delta_attention_vjp", "gated_delta_attention_vjp", "deltanet_vjp",
 
 
 def _delta_vjp(call: GatedCall, q, k, v, do, args: dict):
-    """Gradients of the forward (:func:`arrayattn._gated_run.gated_reference` with
+    """Gradients of the forward (:func:`arrayattn.gated.run.gated_reference` with
     ``beta``) for the checked ``call``, for the arguments ``args`` the caller passed
     (``{"q", "k", "v"[, "beta"][, "g"][, "initial_state"]}``), each summed to its shape."""
     p, key_mask, scale, s0 = call.p, call.key_mask, call.scale, call.initial_state
@@ -106,7 +106,7 @@ def gated_delta_attention_vjp(q, k, v, do, /, *, beta, g, normalize_qk=False, ca
                                           "initial_state": initial_state})
 
 
-# The uniform call's draws and checks are the forward's own (arrayattn.gated's *_CALL_SPEC).
+# The uniform call's draws and checks are the forward's own (arrayattn.gated.api's *_CALL_SPEC).
 
 def deltanet_vjp(q, k, v, do, /, *, seed=0, **options):
     """``{"q", "k", "v"[, "initial_state"]}`` of the uniform call ``deltanet``:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import reference
-from .._engine import entry
+from ..core.engine import entry
 from .._numpy import exact_vjp as engine
-from ..exact import checked_call, engine_takes
-from ..pipeline import Spec, Working, implementation, working
+from ..exact.softmax import checked_call, engine_takes
+from ..core.pipeline import Spec, Working, implementation, working
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["softmax_attention_vjp", "VJP_SPEC"]
@@ -53,12 +53,12 @@ def _engine(call, w: Working, do) -> dict:
 
 def _work(call, w: Working):
     """The engine's scores ``n s`` in float32 bytes, or ``None`` where it does not take
-    the call (:func:`arrayattn.exact.engine_takes`)."""
+    the call (:func:`arrayattn.exact.softmax.engine_takes`)."""
     p = call.p
     return p.n * p.s * 4 if engine_takes(call, w) else None
 
 
 #: The backward of :func:`~arrayattn.softmax_attention`, as the pipeline chooses it
-#: (:func:`arrayattn.pipeline.implementation`); each form takes the cotangent ``do``.
+#: (:func:`arrayattn.core.pipeline.implementation`); each form takes the cotangent ``do``.
 VJP_SPEC = Spec(name="softmax_attention_vjp", check=checked_call, reference=_reference,
                 engine=_engine, work=_work)

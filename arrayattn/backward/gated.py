@@ -13,9 +13,9 @@ accepted and ignored: the vjp is that of the output (the final state's cotangent
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
-from .._validate_gated import GatedCall, check_gla, check_retention, check_ssd
-from ..gated import GLA_CALL_SPEC, SSD_CALL_SPEC
+from ..core.engine import entry
+from ..gated.checks import GatedCall, check_gla, check_retention, check_ssd
+from ..gated.api import GLA_CALL_SPEC, SSD_CALL_SPEC
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["retention_vjp", "gla_attention_vjp", "ssd_attention_vjp", "gla_call_vjp",

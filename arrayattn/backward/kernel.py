@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import reference
-from .._engine import entry
-from .._linear_state import LinearAttentionState
-from .._validate_kernel import check_efficient, check_features, check_linear
-from ..feature_maps import FEATURE_MAPS
+from ..core.engine import entry
+from ..kernel.state import LinearAttentionState
+from ..kernel.calls import check_efficient, check_features, check_linear
+from ..kernel.feature_maps import FEATURE_MAPS
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["linear_attention_vjp", "feature_attention_vjp", "efficient_attention_vjp"]
@@ -30,7 +30,7 @@ def _user_map_vjp(fm, vjp, which, ref):
 
 
 def _drop_bad(causal, key_mask, k, v):
-    """The forward's rule (:func:`arrayattn.pipeline.working`): causal, a non-finite key or value
+    """The forward's rule (:func:`arrayattn.core.pipeline.working`): causal, a non-finite key or value
     is dropped and the rows that see it become NaN; masked keys are not faults."""
     if not causal:
         return k, v, None
@@ -44,7 +44,7 @@ def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
                          return_state=False, normalize=True):
     """``{"q", "k", "v"}`` of :func:`~arrayattn.linear_attention` (of its output;
     ``return_state`` is accepted and ignored).  A user feature map needs its
-    derivatives: a :class:`~arrayattn.feature_maps.FeatureMap` with ``query_vjp`` and
+    derivatives: a :class:`~arrayattn.kernel.feature_maps.FeatureMap` with ``query_vjp`` and
     ``key_vjp`` (``NotImplementedError`` otherwise)."""
     call = check_linear(q, k, v, feature_map=feature_map, causal=causal, key_mask=key_mask,
                         eps=eps, method=method, chunk_size=chunk_size,
@@ -53,7 +53,7 @@ def linear_attention_vjp(q, k, v, do, /, *, feature_map="elu+1", causal=False,
     if fm.query_vjp is None or fm.key_vjp is None:
         raise NotImplementedError(
             f"the backward of linear_attention needs the derivatives of the feature map "
-            f"{fm.name!r}: pass arrayattn.feature_maps.FeatureMap(name, phi_q, phi_k, "
+            f"{fm.name!r}: pass arrayattn.kernel.feature_maps.FeatureMap(name, phi_q, phi_k, "
             f"query_vjp=..., key_vjp=...) with (x, dphi) -> dx for each map")
     if not (fm.name in FEATURE_MAPS and fm is FEATURE_MAPS[fm.name]):
         fm = replace(fm, query=call.maps[0], key=call.maps[1],

@@ -11,8 +11,8 @@ both the key and the value terms.
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
-from ..linformer import checked_linformer, host_to_q
+from ..core.engine import entry
+from ..lowrank.linformer import checked_linformer, host_to_q
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["linformer_attention_vjp", "linformer_call_vjp"]

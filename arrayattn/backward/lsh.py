@@ -5,10 +5,10 @@ no ``"k"``).  The equations are in :mod:`arrayattn.reference.lsh_vjp`."""
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
-from .._validate import check_array, check_same_array_kind
-from ..lsh import checked_lsh, lsh_scores
-from ..pipeline import Spec, Working, implementation
+from ..core.engine import entry
+from ..core.checks import check_array, check_same_array_kind
+from ..sparse.lsh import checked_lsh, lsh_scores
+from ..core.pipeline import Spec, Working, implementation
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["lsh_attention_vjp", "lsh_uniform_vjp", "VJP_SPEC"]
@@ -90,7 +90,7 @@ def _chunked_vjp(call, w: Working, do) -> dict:
 
 
 #: The backward of :func:`~arrayattn.lsh_attention`, as the pipeline chooses it
-#: (:func:`arrayattn.pipeline.implementation`): the dense backward where the forward runs
+#: (:func:`arrayattn.core.pipeline.implementation`): the dense backward where the forward runs
 #: its dense definition, else the chunked one; each form takes the cotangent ``do``.
 VJP_SPEC = Spec(name="lsh_attention_vjp", check=checked_lsh, reference=_chunked_vjp,
                 dense=_dense_vjp, scores=lsh_scores)

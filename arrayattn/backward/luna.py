@@ -10,9 +10,9 @@ are constants of the forward and get none.  The cotangent is that of the output 
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
-from .._validate_lowrank import LunaCall, checked_luna, checked_luna_uniform
-from ..pipeline import working
+from ..core.engine import entry
+from ..lowrank.checks import LunaCall, checked_luna, checked_luna_uniform
+from ..core.pipeline import working
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["luna_attention_vjp", "luna_call_vjp"]

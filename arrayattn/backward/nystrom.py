@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
-from .._validate import check_array, check_same_array_kind
-from .._validate_lowrank import checked_landmark, checked_nystrom, checked_pinv
-from ..pipeline import working
+from ..core.engine import entry
+from ..core.checks import check_array, check_same_array_kind
+from ..lowrank.checks import checked_landmark, checked_nystrom, checked_pinv
+from ..core.pipeline import working
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["nystrom_attention_vjp", "landmark_attention_vjp", "pinv_vjp"]

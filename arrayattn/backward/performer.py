@@ -6,9 +6,9 @@ and of the registry's uniform call (``omega=``).  The equations are in
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
-from .._validate_kernel import checked_performer
-from ..random_projection import RandomFeatures
+from ..core.engine import entry
+from ..random_features.calls import checked_performer
+from ..random_features.projection import RandomFeatures
 from ..reference.exact_vjp import sum_to_shape
 
 __all__ = ["performer_attention_vjp", "uniform_call_vjp"]
@@ -37,7 +37,7 @@ def performer_attention_vjp(q, k, v, do, /, *, features=None, num_features=None,
         return {name: xp.zeros(x.shape, dtype=x.dtype, device=p.device)
                 for name, x in args.items()}
     wq, wk, wv, wdo = (xp.astype(x, wd, copy=False) for x in (q, k, v, do))
-    # the forward's rule (arrayattn.pipeline.working): masked keys zeroed; causal, a
+    # the forward's rule (arrayattn.core.pipeline.working): masked keys zeroed; causal, a
     # non-finite key or value is dropped, its rows NaN
     wk, wv = reference.zero_masked_keys(key_mask, wk, wv)
     bad = reference.nonfinite_rows(wk, wv) if causal else None

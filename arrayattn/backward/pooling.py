@@ -13,10 +13,10 @@ from functools import partial
 import numpy as np
 
 from .. import reference
-from .._engine import entry
+from ..core.engine import entry
 from ..sparse.tiles import host_indices
-from ..pipeline import implementation, working
-from ..pooling import SPEC, checked_pooling, dense_masks, level2, pool_keys
+from ..core.pipeline import implementation, working
+from ..sparse.pooling import SPEC, checked_pooling, dense_masks, level2, pool_keys
 from ..reference.exact_vjp import sum_to_shape
 from .sparse import block_sparse_vjp
 
@@ -105,7 +105,7 @@ def _levels_vjp(c, w, do, *, threads: bool) -> dict:
 
 
 #: The backward of :func:`~arrayattn.pooling_attention`, as the pipeline chooses it
-#: (:func:`arrayattn.pipeline.implementation`): the forward's spec -- its work estimate
+#: (:func:`arrayattn.core.pipeline.implementation`): the forward's spec -- its work estimate
 #: (the larger level's scores) and score count -- with the backward's forms, which take
 #: the cotangent ``do`` too.
 VJP_SPEC = replace(SPEC, name="pooling_attention_vjp",

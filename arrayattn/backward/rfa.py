@@ -5,9 +5,9 @@ an array ``gate`` gets its cotangent under ``"gate"``."""
 from __future__ import annotations
 
 from .. import reference
-from .._engine import entry
+from ..core.engine import entry
 from ..reference.exact_vjp import sum_to_shape
-from .._validate_kernel import checked_rfa
+from ..random_features.calls import checked_rfa
 
 __all__ = ["rfa_attention_vjp"]
 

@@ -29,9 +29,9 @@ from functools import partial
 import numpy as np
 
 from .. import reference
-from .._engine import entry
-from .._xp import xp_from_host
-from ..pipeline import implementation, working
+from ..core.engine import entry
+from ..core.xp import xp_from_host
+from ..core.pipeline import implementation, working
 from ..reference.exact_vjp import sum_to_shape
 from ..sparse import bigbird_layout, fixed_layout, longformer_layout, strided_layout
 from ..sparse.api import SPEC, checked_local, checked_pattern, checked_sparse, dense_allowed
@@ -201,7 +201,7 @@ def _gathered_vjp(call, w, do, *, threads: bool) -> dict:
 
 
 #: The backward of the sparse family, as the pipeline chooses it
-#: (:func:`arrayattn.pipeline.implementation`): the forward's spec -- its work and score
+#: (:func:`arrayattn.core.pipeline.implementation`): the forward's spec -- its work and score
 #: estimates -- with the backward's forms, which take the cotangent ``do`` too: the
 #: dense backward where the forward runs its dense definition, the gathered backward's
 #: chunks on the NumPy engine's threads where they pay, else in order.

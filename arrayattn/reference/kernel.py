@@ -110,7 +110,7 @@ def linear_attention(q, k, v, *, feature_map, causal=False, key_mask=None,
                      method="chunked", chunk_size=64, eps=0.0, normalize=True):
     r"""Linear attention ``phi_q(Q) (phi_k(K)^T V) / phi_q(Q) (phi_k(K)^T 1)``
     (Katharopoulos et al. 2020) with ``feature_map`` a
-    :class:`~arrayattn.feature_maps.FeatureMap`; returns ``(O, Sz)``."""
+    :class:`~arrayattn.kernel.feature_maps.FeatureMap`; returns ``(O, Sz)``."""
     k, v = zero_masked_keys(key_mask, k, v)   # padding may hold NaN: never fed to the map
     return kernel_attention(feature_map.query(q), feature_map.key(k), v, causal=causal,
                             key_mask=key_mask, method=method, chunk_size=chunk_size,

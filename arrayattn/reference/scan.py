@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import array_api_compat
 
+from .device import device_kind
+
 __all__ = ["scan", "fori", "cond", "running_sum", "XLA_CPU_CUMSUM_STEPS"]
 
 #: The longest ``cumulative_sum`` that :func:`running_sum` leaves to XLA's CPU backend:
@@ -165,7 +167,6 @@ def running_sum(x, start=None, *, axis: int, reverse: bool = False):
     cumulative sum is one kernel and a loop a launch per step (CuPy, 256 chunks: 3 ms
     against 36 ms, H200).
     """
-    from .._devices import device_kind    # the device rules live above the reference
     xp = array_api_compat.array_namespace(x)
     if (array_api_compat.is_jax_array(x) and device_kind(x) == "cpu"
             and x.shape[axis] > XLA_CPU_CUMSUM_STEPS):

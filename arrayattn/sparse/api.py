@@ -8,10 +8,10 @@ from functools import partial
 from typing import Any
 
 from .. import reference
-from .._validate import (Problem, check_band, check_bias, check_flag, check_key_mask,
-                         check_qkv, check_scale)
-from .._validate_sparse import check_layout
-from ..pipeline import Spec, Working, run
+from ..core.checks import (Problem, check_band, check_bias, check_flag, check_key_mask,
+                           check_qkv, check_scale)
+from .checks import check_layout
+from ..core.pipeline import Spec, Working, run
 from .executor import block_sparse_attention, plan_work
 from .layout import BlockLayout
 from .patterns import local_layout
@@ -63,7 +63,7 @@ def sparse_attention(q, k, v, /, *, layout: BlockLayout, scale=None, causal=Fals
     -----
     The computation is :func:`arrayattn.reference.sparse.gathered_attention` run over
     the layout's gather plan (host data). Under ``use_engine("reference")`` a problem
-    of at most ``arrayattn._engine.DENSE_REFERENCE_MAX`` scores runs the dense definition
+    of at most ``arrayattn.core.engine.DENSE_REFERENCE_MAX`` scores runs the dense definition
     :func:`arrayattn.reference.sparse.sparse_attention` on ``layout.dense_mask()``
     instead: what :mod:`arrayattn.testing` validates against, and what the gathered
     form is tested equal to.

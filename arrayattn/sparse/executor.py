@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from .._devices import chunk_elements
+from ..core.devices import chunk_elements
 from .._numpy.sparse import map_chunks
 from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
@@ -102,7 +102,7 @@ class Gathered:
 
     def run(self, fn, chunks, *, threads: bool) -> list:
         """``[fn(chunk) for chunk in chunks]``: on the NumPy engine's threads with
-        ``threads`` (the caller's choice, made by :func:`arrayattn.pipeline.implementation`;
+        ``threads`` (the caller's choice, made by :func:`arrayattn.core.pipeline.implementation`;
         NumPy inputs only), in order otherwise."""
         if threads:
             return map_chunks(fn, chunks)

@@ -7,7 +7,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .._xp import xp_from_host
+from ..core.xp import xp_from_host
 from .tiles import tile_mask
 
 __all__ = ["BlockLayout", "num_blocks", "group_rows"]

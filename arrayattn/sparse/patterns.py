@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._validate import check_band, check_flag, check_positive_int, check_seed
+from ..core.checks import check_band, check_flag, check_positive_int, check_seed
 from .layout import BlockLayout, num_blocks
 
 __all__ = ["block_layout", "local_layout", "strided_layout", "fixed_layout",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import array_api_compat
 import numpy as np
 
-from .._xp import xp_from_host
+from ..core.xp import xp_from_host
 from ..reference.indexing import take_in_bounds
 
 __all__ = ["host_indices", "tile_mask", "mask_tables", "mask_from", "PER_KEY", "PER_BLOCK",

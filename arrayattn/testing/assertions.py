@@ -7,7 +7,7 @@ import numbers
 
 import numpy as np
 
-from .._xp import to_numpy, xp_device, xp_namespace
+from ..core.xp import to_numpy, xp_device, xp_namespace
 
 __all__ = ["default_tolerance", "check_tolerance", "xp_assert_close", "xp_assert_equal",
            "xp_assert_kind"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._xp import to_numpy
+from ..core.xp import to_numpy
 from .assertions import check_tolerance
 from .comparison import Comparison
 from .measures import (EPS, TOLERANCE_FACTOR, Nudge, cast_floating, derived_tolerance,
@@ -26,7 +26,7 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     Examples
     --------
     >>> import numpy as np
-    >>> from arrayattn.grad_testing import round_to
+    >>> from arrayattn.testing import round_to
     >>> float(round_to(np.array(1.0 + 2.0 ** -9), "bfloat16"))
     1.0
     """
@@ -187,7 +187,7 @@ def _host_problem(grads, q, k, v, do, params, layout) -> tuple[dict, dict, dict]
 def _vjp(rec, args: dict, options: dict, dtype: str, nudge=None) -> dict:
     """:func:`arrayattn.vjp` by the reference form in ``dtype`` (floating arrays perturbed by
     ``nudge`` first), as host float64 arrays."""
-    from .._engine import use_engine
+    from ..core.engine import use_engine
     from ..backward import vjp
 
     a, p = cast_floating(args, dtype, nudge), cast_floating(options, dtype, nudge)

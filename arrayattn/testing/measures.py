@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._xp import to_numpy
+from ..core.xp import to_numpy
 
 __all__ = ["EPS", "TOLERANCE_FACTOR", "dtype_name", "is_array", "host64", "working_dtype",
            "cast_floating", "Nudge", "HeadErrors", "head_errors", "own_head_error",

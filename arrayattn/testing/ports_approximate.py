@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .._xp import xp_namespace
+from ..core.xp import xp_namespace
 from .records import Prepared, Profile, take_options
 
 __all__ = ["PERFORMER_PYTORCH", "LUCIDRAINS_NYSTROM", "HF_NYSTROMFORMER", "FAST_TRANSFORMERS",

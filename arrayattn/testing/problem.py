@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from .._xp import to_numpy
+from ..core.xp import to_numpy
 from .measures import EPS, cast_floating, dtype_name, host64, is_array
 from .profiles import get_profile
 from .records import Prepared
@@ -57,8 +57,8 @@ def to_bhnd(arrays: dict, layout: str, names=("q", "k", "v", "out")) -> dict:
 
 def paged_reference(q, k, v, /, *, block_table, cache_seqlens, **options):
     """:func:`arrayattn.paged_attention` by its reference form, ``k`` and ``v`` the caches."""
-    from .._engine import use_engine
-    from ..paged import paged_attention
+    from ..core.engine import use_engine
+    from ..exact.paged import paged_attention
     with use_engine("reference"):
         return paged_attention(q, k, v, block_table, cache_seqlens, **options)
 

@@ -1,0 +1,90 @@
+"""The gated family's steps of the pipeline (:mod:`arrayattn.core.pipeline`): from a checked
+:class:`~arrayattn.gated.checks.GatedCall` and the working ``q, k, v`` to the
+recurrence or the chunked form, with the family's rules for masked and non-finite
+tokens."""
+from __future__ import annotations
+
+from .. import reference
+from .checks import GatedCall, checked_gated
+from ..core.pipeline import Spec, Working, run
+
+__all__ = ["gated_reference", "gated_empty", "prepared", "run_gated", "STEP_SPEC"]
+
+
+def prepared(call: GatedCall, w: Working) -> tuple:
+    """``(q, k, v, g, beta, bad)`` as the forms take them: ``q, k`` unit rows with
+    ``normalize_qk``, ``q`` scaled, a gate outside ``(0, 1]`` (``g > 0`` or NaN) turned
+    into NaN (checking it would read the device), a padded token's gate 1 and ``beta`` 0
+    (it leaves the state as it is), and the tokens ``bad (..., n)`` holding a non-finite
+    key, value or ``beta`` or a NaN gate taken out (``-inf`` gates are restarts, not
+    faults); the rows from a bad token on are NaN."""
+    xp, key_mask, beta = call.p.xp, call.key_mask, call.beta
+    wq, wk, wv = w.q, w.k, w.v           # masked keys already zeroed (pipeline.working)
+    if call.normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
+        wq, wk = (reference.unit_rows(x)[0] for x in (wq, wk))
+    if call.scale is not None:
+        wq = wq * call.scale
+    g = xp.where(call.g <= 0.0, call.g, xp.nan)
+    if key_mask is not None:
+        g = xp.where(key_mask[..., None], g, 0.0)
+        beta = None if beta is None else xp.where(key_mask, beta, 0.0)
+    bad = reference.nonfinite_rows(wk, wv) | reference.nan_over(g, (-1,))
+    if beta is not None:
+        bad = bad | ~xp.isfinite(beta)
+        beta = xp.where(bad, 0.0, beta)
+    wk, wv = reference.drop_nonfinite(bad, wk, wv)
+    return wq, wk, wv, xp.where(bad[..., None], 0.0, g), beta, bad
+
+
+def _result(call: GatedCall, out, s):
+    """``out``, or ``(out, S_n)`` with ``return_state``: the state broadcast to the batch
+    in the caller's dtype (the pipeline casts ``out``)."""
+    if not call.return_state:
+        return out
+    p = call.p
+    s = p.xp.broadcast_to(s, (*p.batch, p.d, p.dv))
+    return out, p.xp.astype(s, p.dtype, copy=False)
+
+
+def gated_reference(call: GatedCall, w: Working):
+    """The reference form: GLA's recurrence or chunked form (``beta`` None: retention,
+    GLA, SSD) or the delta rule's (DeltaNet, gated DeltaNet)."""
+    p, xp, s0 = call.p, call.p.xp, call.initial_state
+    wq, wk, wv, g, beta, bad = prepared(call, w)
+    if beta is None and call.method == "recurrent":
+        out, s = reference.gla_recurrent(wq, wk, wv, g, s0)
+    elif beta is None:
+        out, s = reference.gla_chunked(wq, wk, wv, g, s0, call.chunk_size)
+    elif call.method == "recurrent":
+        out, s = reference.delta_recurrent(wq, wk, wv, beta, g, s0)
+    else:
+        out, s = reference.delta_chunked(wq, wk, wv, beta, g, s0, call.chunk_size)
+    out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
+    s = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, s)
+    return _result(call, xp.broadcast_to(out, p.out_shape), s)
+
+
+def gated_empty(call: GatedCall):
+    """No token (or no batch element): zeros, and ``S_0`` as the final state."""
+    return _result(call, call.p.zeros(), call.initial_state)
+
+
+#: One decoding step (:func:`~arrayattn.gated_attention_step`) and any caller whose gates
+#: are checked already: :func:`run_gated`.
+STEP_SPEC = Spec(name="gated_attention_step", check=checked_gated, reference=gated_reference,
+                 empty=gated_empty,
+                 none_means={"key_mask": "every token is real",
+                             "scale": "no scale (q as given)",
+                             "initial_state": "zeros", "gate": "no decay (g = 0)",
+                             "beta": "the additive (gated) update"})
+
+
+def run_gated(q, k, v, g, beta, *, causal, key_mask, method, chunk_size, scale,
+              initial_state, return_state, normalize_qk=False):
+    """Gated (``beta=None``) or delta-rule attention with log gates ``g (..., n, 1 | dk)``
+    and writing strengths ``beta (..., n)``, both checked by the caller and in the
+    working dtype: the pipeline's :data:`STEP_SPEC`."""
+    return run(STEP_SPEC, q, k, v, gate=g, beta=beta, causal=causal, key_mask=key_mask,
+               method=method, chunk_size=chunk_size, scale=scale,
+               initial_state=initial_state, return_state=return_state,
+               normalize_qk=normalize_qk)
