@@ -6,8 +6,8 @@ from .assertions import (check_tolerance, default_tolerance, xp_assert_close, xp
                          xp_assert_kind)
 from .comparison import Comparison
 from .grads import GradComparison, assert_grads_match, compare_grads
-from .measures import EPS, TOLERANCE_FACTOR
-from .outputs import assert_matches_reference, compare_lse, compare_to_reference
+from .measures import EPS, TOLERANCE_FACTOR, round_to
+from .outputs import RULES, assert_matches_reference, compare_lse, compare_to_reference
 from .problem import LAYOUTS
 from .profiles import PROFILES, get_profile
 from .records import Prepared, Profile
@@ -16,4 +16,4 @@ __all__ = ["xp_assert_close", "xp_assert_equal", "xp_assert_kind", "default_tole
            "check_tolerance", "compare_to_reference", "assert_matches_reference",
            "compare_lse", "Comparison", "Profile", "PROFILES", "get_profile", "LAYOUTS",
            "Prepared", "compare_grads", "assert_grads_match", "GradComparison",
-           "TOLERANCE_FACTOR", "EPS"]
+           "TOLERANCE_FACTOR", "EPS", "round_to", "RULES"]

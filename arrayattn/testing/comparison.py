@@ -34,6 +34,10 @@ class Comparison:
         Known deviations a profile could not reproduce, and other remarks.
     profile : str or None
         The port profile the comparison used.
+    rule : str
+        The tolerance rule: ``"float64"`` (a multiple of what a plain evaluation in the
+        working precision errs by) or ``"same-dtype"`` (FlashAttention's: a multiple of
+        what the computation done plainly in the half dtype errs by).
     """
 
     variant: str
@@ -46,14 +50,15 @@ class Comparison:
     ref_scale: np.ndarray
     notes: list = field(default_factory=list)
     profile: str | None = None
+    rule: str = "float64"
 
     @classmethod
     def of(cls, variant: str, dtype: str, errors: HeadErrors, tolerance, own_error,
-           notes=(), profile=None) -> Comparison:
+           notes=(), profile=None, rule: str = "float64") -> Comparison:
         """The comparison from measured :class:`~arrayattn.testing.measures.HeadErrors`."""
         return cls(variant, dtype, errors.heads, errors.max_abs, tolerance, errors.worst,
                    own_error, np.asarray(errors.scale, dtype=np.float64), list(notes),
-                   profile)
+                   profile, rule)
 
     def _relative(self, err: np.ndarray) -> np.ndarray:
         return err / np.where(self.ref_scale > 0, self.ref_scale, 1.0)
@@ -81,8 +86,20 @@ class Comparison:
         """
         r, b = float(np.max(self.rel, initial=0.0)), float(np.max(self.own_rel, initial=0.0))
         ratio = f"{r / b:.3g}x the baseline" if b > 0 else "baseline 0"
-        return (f"error vs float64 (relative, worst head): this output {r:.3g}, a faithful "
-                f"{working_dtype(self.dtype)} evaluation {b:.3g} ({ratio})")
+        plain = ("the computation done plainly in the inputs' half dtype"
+                 if self.rule == "same-dtype"
+                 else f"a plain {working_dtype(self.dtype)} evaluation")
+        return (f"error vs float64 (relative, worst head): this output {r:.3g}, {plain} "
+                f"{b:.3g} ({ratio}; rule {self.rule}, worst head at "
+                f"{self.baseline_multiple():.3g}x its baseline)")
+
+    def baseline_multiple(self) -> float:
+        """The largest per-head ratio of the error to the baseline error: the factor the
+        ``same-dtype`` rule bounds (FlashAttention's 2)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(self.own_error > 0, self.max_abs / np.where(
+                self.own_error > 0, self.own_error, 1.0), np.where(self.max_abs > 0, np.inf, 0))
+        return float(np.max(np.nan_to_num(ratio, nan=np.inf), initial=0.0))
 
     def within(self) -> np.ndarray:
         """Per head: within tolerance.  An infinite error (a NaN or inf in the output

@@ -7,38 +7,13 @@ import numpy as np
 from ..core.xp import to_numpy
 from .assertions import check_tolerance
 from .comparison import Comparison
-from .measures import (EPS, TOLERANCE_FACTOR, Nudge, cast_floating, derived_tolerance,
-                       dtype_name, head_errors, host64, is_array, own_head_error)
-from .problem import to_bhnd
+from .measures import (EPS, Nudge, cast_floating, derived_tolerance, dtype_name,
+                       head_errors, host64, is_array, own_head_error, round_to)
+from .outputs import HALF, RULES, choose_rule, jitter_scale, rule_factor
+from .problem import prepare, to_bhnd
+from .rounding import JITTER_SCALE, sensitivity
 
 __all__ = ["compare_grads", "assert_grads_match", "round_to", "GradComparison", "RULES"]
-
-#: The tolerance rules (see :func:`compare_grads`).
-RULES = ("float64", "same-dtype")
-
-_HALF = ("float16", "bfloat16")
-
-
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x`` rounded (to nearest, ties to even) to ``dtype`` and back to float64; bfloat16
-    by its bit pattern (the top 16 bits of a float32), so no extension is needed.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from arrayattn.testing import round_to
-    >>> float(round_to(np.array(1.0 + 2.0 ** -9), "bfloat16"))
-    1.0
-    """
-    if dtype == "float64":
-        return np.asarray(x, dtype=np.float64)
-    if dtype == "bfloat16":
-        bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        out = bits.astype(np.uint32).view(np.float32).astype(np.float64)
-        return np.where(np.isfinite(x), out, x)
-    return np.asarray(x, dtype=dtype).astype(np.float64)
-
 
 class GradComparison:
     """Per-argument :class:`~arrayattn.testing.Comparison` of gradients (``.items``, a dict
@@ -73,7 +48,7 @@ class GradComparison:
 
 
 def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, layout=None,
-                  rule=None, factor: float = 2.0, **params) -> GradComparison:
+                  profile=None, rule=None, factor: float = 2.0, **params) -> GradComparison:
     """Compare ``grads`` (``{"q": dq, "k": dk, "v": dv, <argument>: d<argument>}``, any
     array library) with arrayattn's float64 :func:`~arrayattn.vjp` of ``variant`` at
     ``(q, k, v, do, **params)``.
@@ -82,8 +57,8 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     ----------
     grads : dict
         The gradients under test, keyed like :func:`arrayattn.vjp`'s result; any subset.
-    variant : str or Variant
-        Registry name.
+    variant : str, Variant or None
+        Registry name (``None`` with a ``profile``: the profile's).
     q, k, v, do : array
         The forward's inputs and the output cotangent the gradients were computed with.
     rtol : float, optional
@@ -92,7 +67,14 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     atol : float
         Absolute allowance added to each head's tolerance (default 0; finite, >= 0).
     layout : {"bhnd", "bnhd"}, optional
-        Axis order of q, k, v, do and their gradients (default ``"bhnd"``).
+        Axis order of q, k, v, do and their gradients (default: the profile's, else
+        ``"bhnd"``).
+    profile : str or Profile, optional
+        A port's conventions, as in :func:`~arrayattn.testing.compare_to_reference`:
+        ``**params`` are then the port's own options (``is_causal=``, ``enable_gqa=``,
+        ``window_size=`` ...).  Key/value heads the profile repeats (SDPA's
+        ``enable_gqa``) have their reference gradients summed over each group, as the
+        kernel's autograd does.
     rule : {"float64", "same-dtype"}, optional
         The tolerance rule (Notes); default by the gradients' dtype.
     factor : float
@@ -110,16 +92,16 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
 
     * ``"float64"`` (the default for float32 and float64 gradients): as for outputs
       (:func:`arrayattn.testing.compare_to_reference`), ``8 max(e, eps |R|_inf)`` with ``e``
-      arrayattn's own gradient error in the working precision (float32, or float64) on inputs
-      perturbed by one unit roundoff;
-    * ``"same-dtype"`` (the default for float16 / bfloat16 gradients): FlashAttention's rule --
-      the kernel's error against the float64 reference may be at most ``factor`` (2) times
-      the error of the reference itself computed at the inputs' precision.  That reference
-      takes the inputs (and ``do``) rounded to the dtype, computes in float32 (as every
-      fused kernel accumulates) and rounds each gradient to the dtype once; intermediates are
-      *not* rounded to the half dtype, so this baseline is at most as large as that of a
-      reference written with every operation in the half dtype (FlashAttention's
-      ``attention_ref(upcast=False)``): the rule is the stricter one.
+      the larger of arrayattn's own gradient error in the working precision and the float64
+      gradients' response to that precision's rounding of every input, ``do`` included
+      (:mod:`arrayattn.testing.rounding`): it grows with the logits, the reduction lengths
+      and the size of ``do``;
+    * ``"same-dtype"`` (the default for float16 / bfloat16 gradients or inputs):
+      FlashAttention's rule -- the kernel's error against the float64 reference may be at
+      most ``factor`` (2) times the error of the computation done plainly in the inputs'
+      dtype: the larger of the gradients from inputs rounded to the dtype, computed in
+      float32 and rounded once, and the float64 gradients' response to the dtype's rounding
+      of every input and intermediate.
 
     Examples
     --------
@@ -135,65 +117,93 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     >>> compare_grads(mine, "softmax", q, k, v, do, causal=True).verdict()[:35]
     'GRADIENTS MISMATCH: softmax: dk ove'
     """
-    from ..registry import get_variant
-
     rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
     factor = check_tolerance("factor", factor, optional=False)
     if not grads:
         raise ValueError("grads is empty: give at least one of dq, dk, dv, ...")
-    rec = get_variant(variant)
-    dtypes, rule = _dtypes_and_rule(grads, rule)
-    args, options, theirs = _host_problem(grads, q, k, v, do, params, layout)
-    ref = _vjp(rec, args, options, "float64")
+    dtypes, rule, half = _dtypes_and_rule(grads, rule, (q, k, v, do))
+    rec, args, options, theirs, how = _host_problem(grads, variant, q, k, v, do, params,
+                                                    layout, profile)
+    ref = _vjp(rec, args, options, "float64", how=how)
     _check_shapes(rec.name, theirs, ref)
-    own = _baseline(rec, args, options, dtypes, rule)
+    own = _baseline(rec, args, options, dtypes, rule, half, ref, how)
     items = {}
     for name, g in theirs.items():
         dt = dtype_name(grads[name])
         errors = head_errors(np.abs(g - ref[name]), ref[name])
-        own_err, _ = own_head_error(own[name], ref[name], len(errors.heads))
-        tol = derived_tolerance(errors, own_err, dt, rtol=rtol, atol=atol, factor=(
-            factor if rule == "same-dtype" else TOLERANCE_FACTOR))
-        items[name] = Comparison.of(f"{rec.name} d{name}", dt, errors, tol, own_err)
+        own_err, _ = own_head_error(ref[name] + own[name], ref[name], len(errors.heads))
+        tol = derived_tolerance(errors, own_err, dt, rtol=rtol, atol=atol,
+                                factor=rule_factor(rule, factor))
+        items[name] = Comparison.of(f"{rec.name} d{name}", dt, errors, tol, own_err,
+                                    profile=None if profile is None else str(profile),
+                                    rule=rule)
     return GradComparison(rec.name, items, rule)
 
 
-def _dtypes_and_rule(grads: dict, rule) -> tuple[set, str]:
-    """The gradients' dtypes and the rule: ``same-dtype`` for half precision by default."""
+def _dtypes_and_rule(grads: dict, rule, inputs) -> tuple[set, str, str | None]:
+    """The gradients' dtypes, the rule (``same-dtype`` for half precision by default) and
+    the half dtype it refers to."""
     dtypes = {dtype_name(g) for g in grads.values()}
     for dt in dtypes:
         if dt not in EPS:
             raise TypeError(f"gradients must have a floating dtype; got {dt}")
-    rule = ("same-dtype" if dtypes & set(_HALF) else "float64") if rule is None else rule
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}; got {rule!r}")
-    return dtypes, rule
+    low = sorted(dtypes & set(HALF))
+    rule, half = choose_rule(rule, low[0] if low else sorted(dtypes)[0], inputs)
+    return dtypes, rule, half
 
 
-def _host_problem(grads, q, k, v, do, params, layout) -> tuple[dict, dict, dict]:
-    """``(q, k, v, do; the options; the gradients)`` as host arrays in ``"bhnd"``."""
-    layout = "bhnd" if layout is None else layout
-    host = {"q": host64(q), "k": host64(k), "v": host64(v), "do": host64(do)}
-    host.update({key: host64(val) if is_array(val) else val for key, val in params.items()})
-    host = to_bhnd(host, layout, ("q", "k", "v", "do"))
-    theirs = to_bhnd({name: host64(g) for name, g in grads.items()}, layout, ("q", "k", "v"))
-    args = {key: host.pop(key) for key in ("q", "k", "v", "do")}
-    unknown = sorted(set(theirs) - set(args) - set(host))
+def _host_problem(grads, variant, q, k, v, do, params, layout, profile):
+    """``(record, q k v do, options, the gradients, how)`` as host arrays in arrayattn's
+    layout and option names (a profile's mapping applied); ``how`` holds ``groups``, the
+    query heads per key/value head that the profile repeated (1: none), and the profile's
+    ``convert`` (hooks written with torch operations get torch tensors)."""
+    from ..registry import get_variant
+
+    problem = prepare(variant, q, k, v, layout=layout, profile=profile, params=params)
+    if problem.rows is not None or problem.name == "paged_attention":
+        raise ValueError(f"gradients are judged where the problem maps the port's tensors "
+                         f"one to one; not for {problem.name} with profile {problem.profile}")
+    args = {"q": problem.q, "k": problem.k, "v": problem.v,
+            "do": to_bhnd({"do": host64(do)}, problem.layout, ("do",))["do"]}
+    theirs = to_bhnd({name: host64(g) for name, g in grads.items()}, problem.layout,
+                     ("q", "k", "v"))
+    unknown = sorted(set(theirs) - set(args) - set(problem.options))
     if unknown:
         raise ValueError(f"grads has {', '.join(unknown)}, not arguments of this call")
-    return args, host, theirs
+    given_k = np.shape(host64(k))
+    heads = given_k[-3] if len(given_k) >= 3 and problem.layout == "bhnd" else (
+        given_k[-2] if len(given_k) >= 3 else None)
+    groups = 1
+    if heads and problem.k.ndim >= 3 and problem.k.shape[-3] != heads:
+        groups = problem.k.shape[-3] // heads
+    return (get_variant(problem.name), args, problem.options, theirs,
+            {"groups": groups, "convert": problem.convert})
 
 
-def _vjp(rec, args: dict, options: dict, dtype: str, nudge=None) -> dict:
+def _vjp(rec, args: dict, options: dict, dtype: str, nudge=None, *, how=None,
+         options_too: bool = True) -> dict:
     """:func:`arrayattn.vjp` by the reference form in ``dtype`` (floating arrays perturbed by
-    ``nudge`` first), as host float64 arrays."""
+    ``nudge`` first), as host float64 arrays; the gradients of key/value heads a profile
+    repeated ``how["groups"]`` times summed back over each group."""
     from ..core.engine import use_engine
     from ..backward import vjp
 
-    a, p = cast_floating(args, dtype, nudge), cast_floating(options, dtype, nudge)
+    how = how or {}
+    groups, convert = how.get("groups", 1), how.get("convert")
+    a = cast_floating(args, dtype, nudge)
+    p = cast_floating(options, dtype, nudge if options_too else None)
+    if convert is not None:
+        a, p = ({key: convert(val) if is_array(val) else val for key, val in d.items()}
+                for d in (a, p))
     with use_engine("reference"):
         res = vjp(rec, a["q"], a["k"], a["v"], a["do"], **p)
-    return {name: np.asarray(to_numpy(g), dtype=np.float64) for name, g in res.items()}
+    res = {name: np.asarray(to_numpy(g), dtype=np.float64) for name, g in res.items()}
+    if groups > 1:
+        for name in ("k", "v"):
+            g = res[name]
+            res[name] = g.reshape(*g.shape[:-3], g.shape[-3] // groups, groups,
+                                  *g.shape[-2:]).sum(axis=-3)
+    return res
 
 
 def _check_shapes(name: str, theirs: dict, ref: dict) -> None:
@@ -206,17 +216,82 @@ def _check_shapes(name: str, theirs: dict, ref: dict) -> None:
                              f"{ref[key].shape}")
 
 
-def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str) -> dict:
-    """arrayattn's own gradients by the rule: ``same-dtype``, from the inputs rounded to the
-    half dtype, in float32, each gradient rounded once; ``float64``, in the working
-    precision from inputs perturbed by one unit roundoff."""
+def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str, half, ref: dict,
+              how: dict) -> dict:
+    """The baseline error of each gradient (elementwise): the larger of a plain evaluation's
+    error (``same-dtype``: from inputs rounded to the half dtype, in float32, each gradient
+    rounded once; ``float64``: in the working precision from inputs perturbed by one unit
+    roundoff) and the float64 gradients' response to that precision's rounding
+    (:func:`~arrayattn.testing.rounding.sensitivity`)."""
     if rule == "same-dtype":
-        dt = sorted(dtypes & set(_HALF))[0] if dtypes & set(_HALF) else sorted(dtypes)[0]
-        own = _vjp(rec, args, options, "float32", lambda x: round_to(x, dt))
-        return {name: round_to(g, dt) for name, g in own.items()}
-    work = "float64" if dtypes == {"float64"} else "float32"
-    nudge = Nudge(work)
-    return _vjp(rec, args, options, work, nudge)
+        own = _vjp(rec, args, options, "float32", lambda x: round_to(x, half), how=how,
+                   options_too=False)
+        own = {name: round_to(g, half) for name, g in own.items()}
+        eps = EPS[half]
+    else:
+        work = "float64" if dtypes == {"float64"} else "float32"
+        own = _vjp(rec, args, options, work, Nudge(work), how=how, options_too=False)
+        eps = EPS[work]
+    row = _row_jitter(rec, args, options, how, eps * jitter_scale(rule) / JITTER_SCALE)
+
+    def jittered(j):
+        perturbed = dict(args, do=row(args["do"], j.rng)) if row is not None else args
+        return _vjp(rec, perturbed, options, "float64", j, how=how)
+
+    jitter = sensitivity(jittered, ref, eps, scale=jitter_scale(rule))
+    floor = _cancellation_floor(rec, args, options, eps)
+    res = {}
+    for name in ref:
+        with np.errstate(invalid="ignore"):
+            err = np.abs(np.where(np.isfinite(ref[name]), own[name] - ref[name], 0.0))
+        base = np.maximum(np.where(np.isfinite(err), err, 0.0), jitter[name])
+        if name in floor:      # rows that cancel: every entry below the terms' rounding
+            fin = np.where(np.isfinite(ref[name]), np.abs(ref[name]), 0.0)
+            cancelled = fin.max(axis=-1, keepdims=True, initial=0.0) <= floor[name]
+            base = np.where(cancelled, np.maximum(base, floor[name]), base)
+        res[name] = base
+    return res
+
+
+def _cancellation_floor(rec, args: dict, options: dict, eps: float) -> dict:
+    """Softmax attention's ``dS = P (dP - D)`` cancels exactly where a row sees one key (or
+    its probabilities are one-hot): the reference's ``dq`` is then 0 and no perturbation
+    moves it, while a kernel's ``dP_ij = do_i . v_j`` and ``D_i = do_i . o_i`` each round
+    by ``u |do| |v|``.  The floor is that rounding carried through ``dq = scale dS k`` and
+    ``dk = scale dS^T q``: ``eps |scale| max|do| max|v| max|k|`` (``max|q|`` for dk),
+    applied to the rows whose every reference entry is below it."""
+    if rec.family != "exact":
+        return {}
+    q, k, v, do = (np.abs(np.nan_to_num(args[x], posinf=0.0, neginf=0.0))
+                   for x in ("q", "k", "v", "do"))
+    scale = options.get("scale")
+    scale = abs(float(scale)) if scale is not None else q.shape[-1] ** -0.5
+    base = eps * scale * float(do.max(initial=0.0)) * float(v.max(initial=0.0))
+    return {"q": base * float(k.max(initial=0.0)), "k": base * float(q.max(initial=0.0))}
+
+
+def _row_jitter(rec, args: dict, options: dict, how: dict, eps: float):
+    """For softmax attention, the backward's coherent rounding: a kernel recomputes
+    ``P = exp(S - lse)`` from a stored log-sum-exp rounded by ``u |lse_i|``, which scales
+    row ``i`` of ``P`` -- and so its share of every gradient -- as a relative change of
+    ``do_i`` would.  Returns ``f(do, rng)`` applying that random per-row factor, or
+    ``None`` for a variant without a log-sum-exp."""
+    from ..core.engine import use_engine
+
+    if rec.family != "exact":
+        return None
+    a = args if how.get("convert") is None else {
+        key: how["convert"](val) for key, val in args.items()}
+    opts = options if how.get("convert") is None else {
+        key: how["convert"](val) if is_array(val) else val for key, val in options.items()}
+    with use_engine("reference"):
+        _, lse = rec.reference(a["q"], a["k"], a["v"], **opts, return_lse=True)
+    lse = np.asarray(to_numpy(lse), dtype=np.float64)
+    size = JITTER_SCALE * eps / 2 * np.where(np.isfinite(lse), np.abs(lse), 0.0)[..., None]
+
+    def apply(do, rng):
+        return do * (1.0 + size * rng.choice([-1.0, 1.0], size=size.shape))
+    return apply
 
 
 def assert_grads_match(grads: dict, variant, q, k, v, do, /, **kwargs) -> None:

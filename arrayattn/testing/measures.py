@@ -8,7 +8,7 @@ from ..core.xp import to_numpy
 
 __all__ = ["EPS", "TOLERANCE_FACTOR", "dtype_name", "is_array", "host64", "working_dtype",
            "cast_floating", "Nudge", "HeadErrors", "head_errors", "own_head_error",
-           "derived_tolerance"]
+           "derived_tolerance", "round_to"]
 
 #: Machine epsilon of the floating dtypes an external output may have.
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23,
@@ -43,12 +43,14 @@ def working_dtype(dtype: str) -> str:
 
 def cast_floating(options: dict, dtype: str, convert=None) -> dict:
     """``options`` with every floating array cast to ``dtype`` (masks and indices kept), each
-    passed through ``convert`` first when given (a perturbation)."""
-    def cast(val):
+    passed through ``convert`` first when given (a perturbation; one with a ``named``
+    method perturbs each array as its name says)."""
+    def cast(key, val):
         if not (is_array(val) and val.dtype.kind == "f"):
             return val
-        return (val if convert is None else convert(val)).astype(dtype)
-    return {key: cast(val) for key, val in options.items()}
+        conv = convert.named(key) if hasattr(convert, "named") else convert
+        return (val if conv is None else conv(val)).astype(dtype)
+    return {key: cast(key, val) for key, val in options.items()}
 
 
 class Nudge:
@@ -111,3 +113,24 @@ def derived_tolerance(errors: HeadErrors, own_error: np.ndarray, dtype: str, *, 
     if rtol is not None:
         return rtol * errors.scale + atol
     return factor * np.maximum(own_error, errors.scale * EPS[dtype]) + atol
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded (to nearest, ties to even) to ``dtype`` and back to float64; bfloat16
+    by its bit pattern (the top 16 bits of a float32), so no extension is needed.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn.testing import round_to
+    >>> float(round_to(np.array(1.0 + 2.0 ** -9), "bfloat16"))
+    1.0
+    """
+    if dtype == "float64":
+        return np.asarray(x, dtype=np.float64)
+    if dtype == "bfloat16":
+        bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        out = bits.astype(np.uint32).view(np.float32).astype(np.float64)
+        return np.where(np.isfinite(x), out, x)
+    return np.asarray(x, dtype=dtype).astype(np.float64)

@@ -2,19 +2,23 @@
 arrayattn's float64 reference, per head."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .assertions import check_tolerance
 from .comparison import Comparison
-from .measures import (Nudge, derived_tolerance, dtype_name, head_errors, host64,
-                       own_head_error, working_dtype)
+from .measures import (EPS, TOLERANCE_FACTOR, Nudge, derived_tolerance, dtype_name,
+                       head_errors, host64, own_head_error, round_to, working_dtype)
 from .problem import floating_dtype, prepare, to_bhnd
+from .rounding import HALF_JITTER_SCALE, JITTER_SCALE, sensitivity
 
 __all__ = ["compare_to_reference", "assert_matches_reference", "compare_lse"]
 
 
 def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
-                         profile=None, **params) -> Comparison:
+                         profile=None, rule=None, factor: float = 2.0,
+                         **params) -> Comparison:
     r"""Compare another implementation's ``out`` with arrayattn's float64 reference.
 
     The reference is the variant's reference form (:meth:`Variant.reference`, never an
@@ -120,16 +124,18 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layou
     'MISMATCH: softmax, 1 of 6 head(s) over tolerance (float32 ou'
     """
     rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
+    factor = check_tolerance("factor", factor, optional=False)
     dtype = floating_dtype(out, "out")
+    rule, half = choose_rule(rule, dtype, (q, k, v))
     problem = prepare(variant, q, k, v, layout=layout, profile=profile, params=params)
     theirs = to_bhnd({"out": host64(out)}, problem.layout, ("out",))["out"]
     ref = _reference_output(problem, theirs)
     errors = head_errors(np.abs(theirs - ref), ref)
-    own, notes = _baseline(problem, ref, dtype, len(errors.heads))
+    own, notes = _baseline(problem, ref, dtype, len(errors.heads), rule=rule, half=half)
     notes += _upcast_note(dtype, (q, k, v))
-    return Comparison.of(problem.name, dtype, errors,
-                         derived_tolerance(errors, own, dtype, rtol=rtol, atol=atol), own,
-                         problem.notes + notes, problem.profile)
+    return Comparison.of(problem.name, dtype, errors, derived_tolerance(
+        errors, own, dtype, rtol=rtol, atol=atol, factor=rule_factor(rule, factor)), own,
+        problem.notes + notes, problem.profile, rule)
 
 
 def _reference_output(problem, theirs: np.ndarray) -> np.ndarray:
@@ -143,15 +149,79 @@ def _reference_output(problem, theirs: np.ndarray) -> np.ndarray:
     return ref
 
 
-def _baseline(problem, ref: np.ndarray, dtype: str, count: int, *, lse: bool = False):
-    """``(own error per head, notes)``: arrayattn's own evaluation in the output's working
-    precision, inputs perturbed by one unit roundoff (fixed seed: reproducible)."""
-    work = working_dtype(dtype)
-    own = problem.evaluate(work, Nudge(work), lse=lse)
+#: The tolerance rules: ``"float64"`` (a float32 or float64 result: a multiple of what a
+#: plain evaluation in its working precision errs by) and ``"same-dtype"``
+#: (FlashAttention's rule for half precision: at most ``factor`` times the error of the
+#: computation done plainly in the inputs' dtype).
+RULES = ("float64", "same-dtype")
+HALF = ("float16", "bfloat16")
+
+
+def choose_rule(rule, dtype: str, inputs) -> tuple[str, str | None]:
+    """``(rule, half dtype or None)``: ``same-dtype`` by default when the result or an input
+    is float16/bfloat16 (the lse of a half-precision kernel is float32: its problem is still
+    a half-precision one)."""
+    halves = sorted(({dtype} | {dtype_name(x) for x in inputs if hasattr(x, "dtype")})
+                    & set(HALF))
+    if rule is None:
+        rule = "same-dtype" if halves else "float64"
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}; got {rule!r}")
+    if rule == "same-dtype" and not halves:
+        halves = [dtype if dtype in EPS else "float32"]
+    return rule, (halves[0] if rule == "same-dtype" else None)
+
+
+def jitter_scale(rule: str) -> float:
+    """The rounding a rule's baseline stands for, in units of the precision's roundoff."""
+    return HALF_JITTER_SCALE if rule == "same-dtype" else JITTER_SCALE
+
+
+def rule_factor(rule: str, factor: float) -> float:
+    """The multiple of the baseline: :data:`TOLERANCE_FACTOR` (8) for ``float64``,
+    ``factor`` (FlashAttention's 2) for ``same-dtype``."""
+    return factor if rule == "same-dtype" else TOLERANCE_FACTOR
+
+
+def _baseline(problem, ref: np.ndarray, dtype: str, count: int, *, lse: bool = False,
+              rule: str = "float64", half: str | None = None):
+    """``(baseline error per head, notes)``: the larger of a plain evaluation's measured
+    error and the reference's response to rounding (:func:`~.rounding.sensitivity`).
+    ``float64`` rule: arrayattn's own evaluation in the working precision, and the response
+    to that precision's rounding.  ``same-dtype``: the problem from inputs rounded to the
+    half dtype, computed in float32, the result rounded once (as a fused kernel), and the
+    response to the half dtype's rounding (a plain evaluation in that dtype)."""
+    if rule == "same-dtype":
+        own = problem.evaluate("float32", lambda x: round_to(x, half), lse=lse)
+        own = own if lse else round_to(own, half)   # lse stays float32 in every kernel
+        eps, work = EPS[half], half
+    else:
+        work = working_dtype(dtype)
+        own, eps = problem.evaluate(work, Nudge(work), lse=lse), EPS[work]
+    jitter = sensitivity(lambda j: _convention(problem, j, eps).evaluate(
+        "float64", j, lse=lse, options_too=True), ref, eps, scale=jitter_scale(rule))
     err, finite = own_head_error(own, ref, count)
-    return err, ([] if finite or lse else [
+    response, _ = own_head_error(ref + jitter, ref, count)
+    return np.maximum(err, response), ([] if finite or lse else [
         f"arrayattn's own {work} evaluation is not finite on these inputs; the tolerance "
-        "uses the rounding floor only"])
+        "uses the reference's response to rounding only"])
+
+
+def _convention(problem, jitter, eps: float):
+    """The problem as the jittered evaluation sees it: where the convention forms logits
+    larger than the reference's by a per-row shift (FlashAttention's causal ALiBi,
+    ``+slope j``: :attr:`Problem.lse_shift`), the rounding of those larger logits as a
+    random bias of ``c u |shift|`` on every logit of the row."""
+    shift = problem.lse_shift
+    if shift is None or problem.name != "softmax":
+        return problem
+    n, s = problem.q.shape[-2], problem.k.shape[-2]
+    size = jitter.u * np.abs(np.asarray(shift, dtype=np.float64))[..., None]
+    noise = size * jitter.rng.choice([-1.0, 1.0], size=np.broadcast_shapes(
+        size.shape[:-2] + (n, s), problem.q.shape[:-2] + (n, s)))
+    bias = problem.options.get("bias")
+    options = dict(problem.options, bias=noise if bias is None else bias + noise)
+    return replace(problem, options=options)
 
 
 def _upcast_note(dtype: str, inputs) -> list:
@@ -223,7 +293,7 @@ def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, l
 
 
 def compare_lse(lse, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None, profile=None,
-                **params) -> Comparison:
+                rule=None, factor: float = 2.0, **params) -> Comparison:
     """Compare a kernel's log-sum-exp ``lse (..., heads, n)`` (FlashAttention's
     ``softmax_lse``, in either layout of q, k, v) with the reference's
     (``return_lse=True``), one head per row.  A row with no visible key agrees when both
@@ -244,16 +314,18 @@ def compare_lse(lse, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None, p
     True
     """
     rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol, optional=False)
+    factor = check_tolerance("factor", factor, optional=False)
     dtype = floating_dtype(lse, "lse")
+    rule, half = choose_rule(rule, dtype, (q, k, v))
     problem = prepare(variant, q, k, v, layout=layout, profile=profile, params=params)
     ref, theirs = problem.evaluate(lse=True), host64(lse)
     if theirs.shape != ref.shape:
         raise ValueError(f"lse has shape {theirs.shape} but the reference's is {ref.shape}")
     errors = head_errors(_lse_error(theirs, ref), ref, event=1)
-    own, _ = _baseline(problem, ref, dtype, len(errors.heads), lse=True)
-    return Comparison.of(f"{problem.name} lse", dtype, errors,
-                         derived_tolerance(errors, own, dtype, rtol=rtol, atol=atol), own,
-                         problem.notes, problem.profile)
+    own, _ = _baseline(problem, ref, dtype, len(errors.heads), lse=True, rule=rule, half=half)
+    return Comparison.of(f"{problem.name} lse", dtype, errors, derived_tolerance(
+        errors, own, dtype, rtol=rtol, atol=atol, factor=rule_factor(rule, factor)), own,
+        problem.notes, problem.profile, rule)
 
 
 def _lse_error(theirs: np.ndarray, ref: np.ndarray) -> np.ndarray:

@@ -82,11 +82,13 @@ class Problem:
     lse_shift: np.ndarray | None = None
     convert: Callable | None = None
 
-    def evaluate(self, dtype: str = "float64", nudge=None, *, lse: bool = False) -> np.ndarray:
+    def evaluate(self, dtype: str = "float64", nudge=None, *, lse: bool = False,
+                 options_too: bool = False) -> np.ndarray:
         """The reference's output (or ``lse``) computed in ``dtype`` from the inputs, ``q``,
-        ``k``, ``v`` perturbed by ``nudge`` when given, as host float64 rows of the port."""
+        ``k``, ``v`` perturbed by ``nudge`` when given (with ``options_too``, the floating
+        option arrays too: biases, slopes, gates), as host float64 rows of the port."""
         args = cast_floating({"q": self.q, "k": self.k, "v": self.v}, dtype, nudge)
-        options = cast_floating(self.options, dtype)
+        options = cast_floating(self.options, dtype, nudge if options_too else None)
         if self.convert is not None:
             args, options = ({key: self.convert(val) if is_array(val) else val
                               for key, val in d.items()} for d in (args, options))

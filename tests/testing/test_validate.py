@@ -469,7 +469,7 @@ class TestLayoutAndProfiles:
         sloppy = out * np.float32(1 + 1e-3)
         c = compare_to_reference(sloppy, "softmax", q, k, v)
         text = c.precision()
-        assert not c.ok and "this output 0.001" in text and "faithful float32" in text
+        assert not c.ok and "this output 0.001" in text and "plain float32" in text
         ratio = float(text.split("(")[-1].split("x")[0])
         assert ratio > 100
 

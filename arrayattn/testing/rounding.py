@@ -1,0 +1,87 @@
+r"""The rounding baseline of the referees: how far a plain, correct evaluation in a given
+precision lands from the float64 reference, on *these* inputs.
+
+A plain evaluation of attention in precision :math:`u` (the textbook order: scores, max
+shift, exp, normalise, matmul) rounds every input and intermediate by a relative
+:math:`u`.  To first order its error is the reference's response to those perturbations:
+a logit :math:`S_{ij}` formed from :math:`q_i \cdot k_j` (plus a bias, an ALiBi term, a
+soft cap) moves by about :math:`u\,|S_{ij}|`, so the output moves by
+:math:`\sum_j P_{ij}\,\delta S_{ij}\,(v_j - o_i)` -- an error that grows with the spread of
+the logits the kernel forms, the reduction lengths and, for gradients, the size of
+``do``.  :func:`sensitivity` measures that response directly: it evaluates the float64
+reference on inputs (and option arrays: biases, slopes, gates, states) perturbed by
+random relative amounts of :data:`JITTER_SCALE` :math:`u`, :data:`JITTER_DRAWS` times,
+and keeps the largest deviation.  Being the reference's own response, it holds for every
+variant, for the output, the log-sum-exp and every gradient, and it does not depend on
+one lucky or unlucky rounding pattern of a single evaluation.
+
+The referees' tolerance is a multiple of ``max(sensitivity, own evaluation error,
+eps |R|)``; ``docs/validating.rst`` derives it and gives the calibration against plain
+float32 evaluations (``benchmarks/referee_calibration.py``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["JITTER_SCALE", "HALF_JITTER_SCALE", "JITTER_DRAWS", "Jitter", "sensitivity"]
+
+#: The perturbation, in units of the precision's unit roundoff ``u = eps / 2``: a plain
+#: evaluation rounds each operand and each intermediate once, and a dot product of
+#: length ``d`` accumulates up to ``~sqrt(d)`` roundings; calibrated on plain float32
+#: evaluations (``benchmarks/referee_calibration.py``).
+JITTER_SCALE = 2.0
+#: The same for the ``same-dtype`` rule: half-precision inputs are exact in their dtype and
+#: a plain half-precision evaluation (FlashAttention's ``attention_ref(upcast=False)``)
+#: rounds each intermediate once; calibrated against it (its error is 0.65-0.85 of this
+#: baseline, q, k of standard deviation 1 to 4 at d = 32).
+HALF_JITTER_SCALE = 1.0
+#: The share of the perturbation that values and output cotangents (``v``, ``do``) get: they
+#: are exact inputs that only the products and sums after them round (the logits' inputs
+#: ``q``, ``k`` stand for the rounding of a dot product of length ``d`` as well).
+VALUE_SHARE = 0.5
+#: Independent perturbations; the baseline is the largest response among them.
+JITTER_DRAWS = 3
+
+
+class Jitter:
+    """``x (1 + c u s)`` in float64 with random signs ``s`` (seeded: reproducible), never
+    rounded away: ``u`` the unit roundoff of the precision whose rounding it stands for."""
+
+    def __init__(self, eps: float, seed: int = 0, scale: float = JITTER_SCALE):
+        self.u, self.rng = scale * eps / 2, np.random.default_rng(seed)
+
+    def __call__(self, x: np.ndarray, share: float = 1.0) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        return x * (1.0 + share * self.u * self.rng.choice([-1.0, 1.0], size=x.shape))
+
+    def named(self, name: str):
+        """The perturbation of the array called ``name`` (:data:`VALUE_SHARE` of it for
+        ``v`` and ``do``)."""
+        share = VALUE_SHARE if name in ("v", "do") else 1.0
+        return lambda x: self(x, share)
+
+
+def sensitivity(evaluate, ref, eps: float, *, draws: int = JITTER_DRAWS, seed: int = 1,
+                scale: float = JITTER_SCALE):
+    """Elementwise ``max_k |evaluate(Jitter(eps, seed + k, scale)) - ref|`` over ``draws``
+    perturbations (``ref`` and the results: an array, or a dict of arrays keyed alike);
+    positions where the reference is not finite get 0."""
+    if isinstance(ref, dict):
+        worst = {key: np.zeros(np.shape(r)) for key, r in ref.items()}
+    else:
+        worst = np.zeros(np.shape(ref))
+    for k in range(draws):
+        res = evaluate(Jitter(eps, seed + k, scale))
+        if isinstance(ref, dict):
+            for key in worst:
+                worst[key] = np.maximum(worst[key], _deviation(res[key], ref[key]))
+        else:
+            worst = np.maximum(worst, _deviation(res, ref))
+    return worst
+
+
+def _deviation(res, ref) -> np.ndarray:
+    res, ref = np.asarray(res, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    seen = np.isfinite(ref) & np.isfinite(res)
+    with np.errstate(invalid="ignore"):
+        return np.where(seen, np.abs(np.where(seen, res, 0.0) - np.where(seen, ref, 0.0)), 0.0)
