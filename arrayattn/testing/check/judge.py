@@ -8,13 +8,14 @@ import numpy as np
 
 from .. import grads as _grads
 from .. import outputs as _outputs
-from ..measures import (Nudge, host64, cast_floating, derived_tolerance, dtype_name, head_errors,
-                        own_head_error, working_dtype)
+from ..measures import (Nudge, cast_floating, derived_tolerance, dtype_name, head_errors,
+                        host64, own_head_error, working_dtype)
 from ..comparison import Comparison
 from ..problem import prepare
 from .conventions.base import host
 
-__all__ = ["Verdict", "judge", "judge_inputs", "grad_options", "ratio"]
+__all__ = ["Verdict", "judge", "judge_inputs", "grad_options", "ratio", "compare_state",
+           "compare_port_grads"]
 
 
 def ratio(c: Comparison) -> float:
@@ -72,7 +73,18 @@ def grad_options(call, x: dict) -> dict:
         return call.grad_params
     problem = prepare(None, x["q"], x["k"], x["v"], layout=call.layout, profile=call.profile,
                       params=call.params)
-    return dict(problem.options)
+    return dict(problem.options)  # with compare_grads(profile=): call.params
+
+
+def compare_port_grads(grads: dict, profile, q, k, v, do, /, *, layout=None, **kwargs):
+    """:func:`~arrayattn.testing.compare_grads` of a port's gradients, its options
+    (``**kwargs`` besides ``rtol``, ``atol``, ``rule``, ``factor``) mapped onto arrayattn's
+    by the ``profile`` (``validate --profile`` with gradients in the file)."""
+    keys = ("rtol", "atol", "rule", "factor")
+    judging = {key: kwargs.pop(key) for key in keys if key in kwargs}
+    problem = prepare(None, q, k, v, layout=layout, profile=profile, params=kwargs)
+    return _grads.compare_grads(grads, problem.name, q, k, v, do, layout=layout or (
+        problem.layout), **judging, **problem.options)
 
 
 def _output_items(call, conv, x, results) -> list:

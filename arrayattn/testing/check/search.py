@@ -176,6 +176,9 @@ class Search:
             hyp.find(strategy, condition, settings=opts, random=random.Random(self.seed))
         except (OutOfTime, hyp.errors.NoSuchExample):
             pass
+        except Exception as exc:  # OutOfTime while shrinking comes back in a group
+            if not _only_out_of_time(exc):
+                raise
         return self.polish(best[0], limit[0]) if best else None
 
     def polish(self, case: Case, deadline: float) -> Case:
@@ -191,6 +194,13 @@ class Search:
                     case, improved = cand, True
                     break
         return case
+
+
+def _only_out_of_time(exc: BaseException) -> bool:
+    """Whether ``exc`` is OutOfTime or Hypothesis's Found, alone or in a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_out_of_time(e) for e in exc.exceptions)
+    return isinstance(exc, OutOfTime) or type(exc).__name__ == "Found"
 
 
 def _label(what) -> str:
