@@ -66,7 +66,7 @@ class Case:
 
 def _edges(conv, base: Case) -> list:
     """One case per edge of every dimension the convention has."""
-    out = [base]
+    out = []
     pairs = [(1, 1), (7, 65), (65, 7), (63, 63), (127, 129), (129, 63)] if not conv.equal_lengths \
         else [(1, 1), (63, 63), (65, 65), (129, 129)]
     out += [replace(base, n=n, s=s) for n, s in pairs]
@@ -80,14 +80,16 @@ def catalogue(conv, dtypes, grads: bool, skip=()) -> list:
     """The fixed catalogue: every dimension's edges, each option value alone (with n != s
     both ways where the convention allows), the magnitudes, the dtypes, the backward."""
     base = Case(n=16, s=16 if conv.equal_lengths else 24)
-    cases = _edges(conv, base)
     flipped = replace(base, n=base.s, s=base.n)
+    cases, later = [base], []
     for name, values in conv.space.items():
         if name in skip or (name == "backward" and not grads):
             continue
         for value in values[1:]:
-            for c in (base, flipped, replace(base, n=65, s=65 if conv.equal_lengths else 33)):
-                cases.append(conv.normalize(c.with_options(**{name: value})))
+            cases += [conv.normalize(c.with_options(**{name: value})) for c in (base, flipped)]
+            later.append(conv.normalize(replace(base, n=65, s=65 if conv.equal_lengths else 33)
+                                        .with_options(**{name: value})))
+    cases += _edges(conv, base) + later
     cases += [replace(base, magnitude=m) for m in MAGNITUDES[1:]]
     for dt in dtypes:
         cases += [replace(base, dtype=dt), replace(base, dtype=dt, magnitude=10.0)]

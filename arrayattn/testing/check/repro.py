@@ -63,12 +63,20 @@ def repro_arrays(conv, call, case, results: dict, grads: dict) -> tuple[dict, di
         arrays["do"] = x["do"]
         for name, g in grads.items():
             arrays["d" + call.rename.get(name, name)] = host64(conv.to_judge(name, g))
+    options = []
     for key, value in params.items():
         if key == "enable_gqa" and not value:
+            continue
+        if "variant" in flags and not hasattr(value, "shape"):
+            if value is not None:    # a scalar of the variant: validate's --option
+                text = str(value).lower() if isinstance(value, bool) else str(value)
+                options.append(f"{key}={text}")
             continue
         arr = host(value) if hasattr(value, "shape") else _scalar(value)
         if arr is not None:
             arrays[key] = arr
+    if options:
+        flags["option"] = options
     return _keep_dtypes(arrays, results, grads, call), flags
 
 
@@ -95,7 +103,9 @@ def _keep_dtypes(arrays: dict, results: dict, grads: dict, call) -> dict:
 
 def validate_command(path: str, flags: dict) -> str:
     """The ``arrayattn validate`` command line that judges ``path``."""
-    return "arrayattn validate " + path + "".join(f" --{k} {v}" for k, v in flags.items())
+    words = [f" --{k} {v}" for k, v in flags.items() if k != "option"]
+    words += [f" --option {o}" for o in flags.get("option", ())]
+    return "arrayattn validate " + path + "".join(words)
 
 
 def write_repro(path: str, conv, fn, case) -> str:

@@ -40,6 +40,9 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
         scale = scale * scale
     s = q @ k.transpose(-1, -2) * scale
     n, m = s.shape[-2:]
+    if m == 0:  # no key at all: zeros, lse +inf (FlashAttention's)
+        return (torch.zeros(*q.shape[:-1], v.shape[-1]).to(dt),
+                torch.full(q.shape[:-1], float("inf")))
     if softcap and bug != "softcap_after_mask":
         s = s / softcap if bug == "softcap_no_factor" else softcap * torch.tanh(s / softcap)
     if alibi is not None:
