@@ -3,6 +3,8 @@
 ``arrayattn report``   every registered variant on a default workload, one row each;
 ``arrayattn validate`` compare another implementation's output (an ``.npz`` file) with
                        the float64 reference, per head.
+``arrayattn check``    search for a case where a kernel disagrees with the reference
+                       (a catalogue of edge cases, random cases, shrinking).
 
 Exit codes of ``validate``: 0 match, 1 mismatch, 2 usage error or malformed file.
 """
@@ -157,15 +159,12 @@ def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
     joined to ``params``; UsageError on a file that does not fit the flags.  Judged apart
     from ``out``: ``do``, ``lse`` and ``d<name>`` of an array ``<name>`` of the file."""
     arrays = load_npz(path)
-    training = {key: arrays.pop(key) for key in list(arrays) if key in ("do", "lse") or (
-        key.startswith("d") and key[1:] in arrays)}
-    grads = [key for key in training if key not in ("do", "lse")]
+    training = {key: arrays.pop(key) for key in list(arrays) if key in (
+        "do", "lse", "final_state") or (key.startswith("d") and key[1:] in arrays)}
+    grads = [key for key in training if key not in ("do", "lse", "final_state")]
     if grads and "do" not in training:
         raise UsageError(f"{path} holds gradient(s) {', '.join(grads)} but no 'do' (the "
                          "output cotangent they were computed with)")
-    if grads and profile is not None:
-        raise UsageError("gradients are judged with --variant and the variant's own option "
-                         "names, not with a --profile")
     extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
     clash = sorted(set(extra) & set(params))
     if clash:
@@ -244,16 +243,19 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
 
 def _judge_training(training, rec, arrays, params, *, rtol, layout, profile, rule, factor,
                     out) -> bool:
-    """The gradient verdicts (``do`` and ``d<name>`` in the file) and the ``lse`` verdict;
-    True when every one matches (or there is nothing to judge)."""
+    """The gradient verdicts (``do`` and ``d<name>`` in the file), the ``lse`` and the
+    ``final_state`` verdicts; True when every one matches (or there is nothing to judge)."""
     from .testing import compare_grads, compare_lse
+    from .testing.check.judge import compare_port_grads, compare_state
 
     ok = True
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    grads = {key[1:]: a for key, a in training.items() if key not in ("do", "lse")}
+    grads = {key[1:]: a for key, a in training.items() if key not in ("do", "lse",
+                                                                       "final_state")}
     if grads:
-        gc = compare_grads(grads, rec, q, k, v, training["do"], rtol=rtol, layout=layout,
-                           rule=rule, factor=factor, **params)
+        gc = (compare_grads if profile is None else compare_port_grads)(
+            grads, rec if profile is None else profile, q, k, v, training["do"], rtol=rtol,
+            layout=layout, rule=rule, factor=factor, **params)
         print(gc.table(), file=out)
         print(gc.verdict(), file=out)
         ok = ok and gc.ok
@@ -263,6 +265,10 @@ def _judge_training(training, rec, arrays, params, *, rtol, layout, profile, rul
         print("lse:\n" + lc.table(), file=out)
         print("LSE " + lc.verdict(), file=out)
         ok = ok and lc.ok
+    if "final_state" in training:
+        sc = compare_state(training["final_state"], rec, {"q": q, "k": k, "v": v}, params)
+        print("final_state:\n" + sc.table() + "\nFINAL STATE " + sc.verdict(), file=out)
+        ok = ok and sc.ok
     return ok
 
 
@@ -273,25 +279,8 @@ def _validate(args) -> int:
 
 
 def _check_writable(label: str, path: str) -> None:
-    """ValueError unless ``path`` can be written (checked before the run, which may take
-    minutes): not a directory, its directory exists, and opening it for appending works
-    (a file created by the check is removed again)."""
-    import os
-
-    if os.path.isdir(path):
-        raise ValueError(f"{label} {path} is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"{label} {path}: the directory {parent} does not exist")
-    existed = os.path.lexists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"{label} {path}: cannot write there ({exc.strerror or exc}); "
-                         "give a writable file name") from None
-    if not existed:
-        os.remove(path)
+    from .testing.check.command import check_writable
+    check_writable(label, path)
 
 
 def _report(args) -> int:
@@ -441,7 +430,9 @@ def main(argv=None) -> int:
         prog="arrayattn", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
-    subs = {"report": _report_parser(sub), "validate": _validate_parser(sub)}
+    from .testing.check.command import add_parser
+    subs = {"report": _report_parser(sub), "validate": _validate_parser(sub),
+            "check": add_parser(sub)}
     args = _parse(parser, subs, argv)
     return args.func(args)
 

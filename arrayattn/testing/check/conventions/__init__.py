@@ -1,0 +1,33 @@
+"""The calling conventions of ``arrayattn check``: one small adapter per convention (layout,
+argument names and defaults, alignment rules, what it returns, how the lse and the final
+state come back, which options it takes), mapping a case to a call and the result to the
+referee's problem."""
+from __future__ import annotations
+
+from .base import Call, Convention
+from .custom import CUSTOM_OPTIONS, Custom
+from .fla import FlaDeltaRule, FlaGatedDeltaRule, FlaGla, FlaSimpleGla
+from .flash import FlashAttn, FlashAttnKVCache, FlashAttnVarlen
+from .softmax import FlexAttention, JaxDotProductAttention, Sdpa
+
+__all__ = ["CONVENTIONS", "get_convention", "Call", "Convention", "Custom", "CUSTOM_OPTIONS"]
+
+#: The named conventions (``--convention``); ``custom`` takes an adapter object.
+CONVENTIONS = {c.name: c for c in (Sdpa, FlexAttention, JaxDotProductAttention, FlashAttn,
+                                   FlashAttnVarlen, FlashAttnKVCache, FlaGla, FlaSimpleGla,
+                                   FlaDeltaRule, FlaGatedDeltaRule)}
+
+
+def get_convention(convention, device: str = "cpu") -> Convention:
+    """A :class:`Convention` from its name, a Convention, or a custom adapter object."""
+    if isinstance(convention, Convention):
+        conv = convention
+    elif isinstance(convention, str):
+        if convention not in CONVENTIONS:
+            raise ValueError(f"unknown convention {convention!r}; known: "
+                             f"{', '.join(sorted(CONVENTIONS))}, or a custom adapter object")
+        conv = CONVENTIONS[convention]()
+    else:
+        conv = Custom(convention)
+    conv.device = device
+    return conv

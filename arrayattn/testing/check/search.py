@@ -1,0 +1,225 @@
+"""The checker's search: the fixed catalogue first, then random draws (Hypothesis), then
+shrinking any finding to the smallest failing case, within a wall-clock budget,
+reproducible from the seed."""
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+
+from .cases import HALF, Case, case_strategy, catalogue, smaller
+from .judge import Verdict, judge
+
+__all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis"]
+
+
+class OutOfTime(Exception):
+    """The budget is spent."""
+
+
+def require_hypothesis():
+    """The hypothesis module; an ImportError naming the extra when it is missing."""
+    try:
+        import hypothesis
+    except ImportError:
+        raise ImportError('arrayattn check needs Hypothesis: pip install "arrayattn[check]"') \
+            from None
+    return hypothesis
+
+
+@dataclass
+class Outcome:
+    """What one case gave: its ``verdict`` (None when the kernel does not support it)."""
+
+    case: Case
+    verdict: Verdict | None
+    seconds: float = 0.0
+
+
+@dataclass
+class Search:
+    """The search over one kernel and convention (see :func:`~arrayattn.testing.check_kernel`)."""
+
+    fn: object
+    conv: object
+    budget: float = 60.0
+    seed: int = 0
+    dtypes: tuple = ("float32",)
+    grads: bool = True
+    skip: tuple = ()
+    log: object = None
+    unsupported: set = field(default_factory=set)
+    cases_run: int = 0
+    covered: dict = field(default_factory=dict)
+    worst: tuple = (0.0, None)
+    first_found: float | None = None
+    started: float = 0.0
+
+    # -- one case -----------------------------------------------------------------
+    def evaluate(self, case: Case) -> Outcome:
+        """Run the kernel on ``case`` and judge it (NotImplementedError: unsupported)."""
+        t0 = time.perf_counter()
+        backward = bool(case.opts.get("backward"))
+        try:
+            call = self.conv.build(case)
+            results, grads = self.conv.run(self.fn, call, case, backward)
+        except NotImplementedError:
+            return Outcome(case, None, time.perf_counter() - t0)
+        except Exception as exc:  # a kernel that raises on a valid case is a finding
+            return Outcome(case, Verdict(error=_raised("the kernel", exc)),
+                           time.perf_counter() - t0)
+        try:
+            verdict = judge(call, self.conv, results, grads)
+        except Exception as exc:  # a result of the wrong shape, a missing state ...
+            verdict = Verdict(error=_raised("judging its result", exc))
+        return Outcome(case, verdict, time.perf_counter() - t0)
+
+    def excluded(self, case: Case) -> bool:
+        """Whether ``case`` uses an option value (or dtype) found unsupported."""
+        return case.dtype in self.unsupported or any(
+            (k, v) in self.unsupported for k, v in case.active().items())
+
+    def fails(self, case: Case) -> bool:
+        """Evaluate ``case`` (counted, covered); True on a finding."""
+        if self.excluded(case):
+            return False
+        out = self.evaluate(case)
+        self.cases_run += 1
+        if out.verdict is None:
+            return self._unsupported(case)
+        self._cover(case, out.verdict)
+        if not out.verdict.ok and self.first_found is None:
+            self.first_found = time.monotonic() - self.started
+        return not out.verdict.ok
+
+    def _unsupported(self, case: Case) -> bool:
+        """Find which option value raised NotImplementedError, alone; a finding if none."""
+        base = replace(case, options=())
+        if case.opts.get("backward"):
+            fwd = case.with_options(backward=None)
+            if self.evaluate(fwd).verdict is not None:
+                self._note_unsupported(("backward", True))
+                return False
+        for key, value in case.active().items():
+            alone = self.conv.normalize(base.with_options(**{key: value}))
+            if self.evaluate(alone).verdict is None:
+                self._note_unsupported((key, value))
+                return False
+        if self.evaluate(replace(base, dtype="float32")).verdict is None:
+            raise RuntimeError("the kernel raises NotImplementedError on the plainest case")
+        self._note_unsupported(case.dtype)
+        return False
+
+    def _note_unsupported(self, what) -> None:
+        if what not in self.unsupported:
+            self.unsupported.add(what)
+            self._say(f"unsupported (NotImplementedError): {_label(what)}; searching on "
+                      "without it")
+
+    def _cover(self, case: Case, verdict: Verdict) -> None:
+        c = self.covered
+        c.setdefault("dtypes", set()).add(case.dtype)
+        c.setdefault("options", set()).update(f"{k}={v}" for k, v in case.active().items())
+        c["max_n"], c["max_s"] = max(c.get("max_n", 0), case.n), max(c.get("max_s", 0), case.s)
+        c["gqa"] = c.get("gqa", False) or case.hq != case.hkv
+        if verdict.ok and verdict.worst >= self.worst[0]:
+            self.worst = (verdict.worst, case)
+
+    def _say(self, text: str) -> None:
+        if self.log is not None:
+            self.log(text)
+
+    # -- the search ---------------------------------------------------------------
+    def run(self) -> Case | None:
+        """The smallest failing case found within the budget, or None."""
+        self.started = time.monotonic()
+        deadline = self.started + self.budget
+        try:
+            for case in catalogue(self.conv, self.dtypes, self.grads, self.skip):
+                if time.monotonic() > deadline:
+                    raise OutOfTime
+                if self.fails(case):
+                    self._say(f"catalogue case fails: {case.describe()}; shrinking")
+                    return self.polish(case, self._shrink_deadline())
+            found = self._random(deadline)
+        except OutOfTime:
+            return None
+        return found
+
+    def _shrink_deadline(self) -> float:
+        return time.monotonic() + max(10.0, 0.5 * self.budget)
+
+    def _random(self, deadline: float) -> Case | None:
+        hyp = require_hypothesis()
+        from hypothesis import HealthCheck, Phase, settings
+        best: list = []
+        limit = [deadline]
+
+        def condition(case):
+            if time.monotonic() > limit[0]:
+                raise OutOfTime
+            if not self.fails(case):
+                return False
+            if not best:
+                limit[0] = self._shrink_deadline()
+                self._say(f"random case fails: {case.describe()}; shrinking")
+            if not best or case.size() < best[0].size():
+                best[:] = [case]
+            return True
+
+        strategy = case_strategy(self.conv, self.dtypes, self.grads, self.skip)
+        opts = settings(max_examples=10**6, deadline=None, database=None,
+                        phases=[Phase.generate, Phase.shrink],
+                        suppress_health_check=list(HealthCheck))
+        try:
+            hyp.find(strategy, condition, settings=opts, random=random.Random(self.seed))
+        except (OutOfTime, hyp.errors.NoSuchExample):
+            pass
+        except Exception as exc:  # OutOfTime while shrinking comes back in a group
+            if not _only_out_of_time(exc):
+                raise
+        return self.polish(best[0], limit[0]) if best else None
+
+    def polish(self, case: Case, deadline: float) -> Case:
+        """Greedy shrinking from ``case``: take any one-step reduction that still fails,
+        until none does (or the deadline)."""
+        improved = True
+        while improved and time.monotonic() < deadline:
+            improved = False
+            for cand in smaller(case, self.conv):
+                if time.monotonic() > deadline:
+                    break
+                if cand.size() < case.size() and self.fails(cand):
+                    case, improved = cand, True
+                    break
+        return case
+
+
+def _only_out_of_time(exc: BaseException) -> bool:
+    """Whether ``exc`` is OutOfTime or Hypothesis's Found, alone or in a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_out_of_time(e) for e in exc.exceptions)
+    return isinstance(exc, OutOfTime) or type(exc).__name__ == "Found"
+
+
+def _label(what) -> str:
+    return what if isinstance(what, str) else f"{what[0]}={what[1]}"
+
+
+def _raised(where: str, exc: BaseException) -> str:
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] or [None]
+    at = f" (at {frame[0].filename}:{frame[0].lineno})" if frame[0] else ""
+    return f"{where} raised {type(exc).__name__}: {exc}{at}"
+
+
+def default_dtypes(search_probe, conv) -> tuple:
+    """float32, then the half precisions the kernel accepts (probed on a small case)."""
+    dts = ["float32"]
+    for dt in HALF:
+        if conv.framework == "jax" and dt == "bfloat16":
+            continue
+        out = search_probe(Case(dtype=dt, s=16))
+        if out.verdict is not None and out.verdict.error is None:
+            dts.append(dt)
+    return tuple(dts)
