@@ -2,7 +2,6 @@
 fast-transformers and fla."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 

@@ -80,11 +80,8 @@ def compare_port_grads(grads: dict, profile, q, k, v, do, /, *, layout=None, **k
     """:func:`~arrayattn.testing.compare_grads` of a port's gradients, its options
     (``**kwargs`` besides ``rtol``, ``atol``, ``rule``, ``factor``) mapped onto arrayattn's
     by the ``profile`` (``validate --profile`` with gradients in the file)."""
-    keys = ("rtol", "atol", "rule", "factor")
-    judging = {key: kwargs.pop(key) for key in keys if key in kwargs}
-    problem = prepare(None, q, k, v, layout=layout, profile=profile, params=kwargs)
-    return _grads.compare_grads(grads, problem.name, q, k, v, do, layout=layout or (
-        problem.layout), **judging, **problem.options)
+    return _grads.compare_grads(grads, None, q, k, v, do, layout=layout, profile=profile,
+                                **kwargs)
 
 
 def _output_items(call, conv, x, results) -> list:
@@ -139,7 +136,11 @@ def judge(call, conv, results: dict, grads: dict) -> Verdict:
     if grads:
         theirs = {call.rename.get(k, k): conv.to_judge(k, g)
                   for k, g in grads.items()}
-        gc = _grads.compare_grads(theirs, call.variant, x["q"], x["k"], x["v"], x["do"],
-                                  layout=call.layout, **grad_options(call, x))
+        if call.grad_params is None and call.profile is not None:
+            gc = _grads.compare_grads(theirs, None, x["q"], x["k"], x["v"], x["do"],
+                                      layout=call.layout, profile=call.profile, **call.params)
+        else:
+            gc = _grads.compare_grads(theirs, call.variant, x["q"], x["k"], x["v"], x["do"],
+                                      layout=call.layout, **grad_options(call, x))
         items += [(f"d{name}", c) for name, c in gc.items.items()]
     return Verdict(items)
