@@ -85,7 +85,7 @@ def main(argv=None) -> None:
            for key, path in labels.items()}
     rows = []
     for n in map(int, a.sizes.split(",")):
-        calls = a.calls if n <= 4096 else max(1, a.calls - 1)
+        calls = a.calls if n <= 4096 else max(1, a.calls - 2)
         exact = {}
         for name, causal in cases(a.variants):
             best = {key: float("inf") for key in labels}
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     lines = ["# Sparse family on the NumPy engine: A/B (issue #39)", "",
              f"`python benchmarks/ab_sparse.py` -- (1, 8, n, 64) float32, registry defaults; "
              f"fresh process per checkout, alternated {a.rounds} rounds, best of "
-             f"{a.calls} calls (n > 4096: {max(1, a.calls - 1)}) after a warm-up; new = "
+             f"{a.calls} calls (n > 4096: {max(1, a.calls - 2)}) after a warm-up; new = "
              f"{rev['new']} plus the working tree. Blockwise exact = `softmax_blockwise` "
              f"(block_size=\"auto\") on the new checkout.", "", head,
              "|" + "---|" * 8]
