@@ -1,10 +1,34 @@
-"""The NumPy engine of the block-sparse executor: the chunks of a gather plan run in
-threads."""
+"""The NumPy engine of the block-sparse executor: the chunks of the full gather plan
+(:attr:`~arrayattn.sparse.BlockLayout.plan`, not the scanned plan JAX needs) run in
+threads, each by :func:`attend_tiles` -- the gathered softmax written plainly, in place.
+
+The engine's guard against non-finite values is chosen once per call
+(:func:`arrayattn.sparse.block_sparse_attention`): where the values are all finite
+(:func:`finite`, one reduction over ``v``) a tile's masked softmax needs none of the
+reference's guards (:func:`arrayattn.reference.masks.attend`): the weight of a key no
+query sees is exactly 0 and its value is finite, so ``0 * v`` is 0.  Otherwise the bad
+value rows are zeroed once (:func:`drop_bad_values`) and their keys' score columns set
+to NaN before the mask (the tiles' ``poison``), as the reference does: exactly the rows
+that see one are NaN, every other row is bit for bit the call with that value zeroed.
+A NaN or infinite key reaches exactly the rows that see it through their scores, as in
+the reference.
+
+Measured (2-core machine, ``(1, 8, n, 64)`` float32, registry defaults, best of 3; the
+A/B table is benchmarks/results/ab_sparse.md): see that file.
+"""
 from __future__ import annotations
+
+import numpy as np
 
 from .parallel import parallel_map
 
-__all__ = ["map_chunks"]
+__all__ = ["map_chunks", "finite", "drop_bad_values", "attend_tiles", "CHUNK_SCALE"]
+
+#: An engine chunk holds this many times the executor's budget of elements
+#: (:func:`arrayattn.core.devices.chunk_elements`: scores plus gathered keys and values,
+#: over the batch): its kernel keeps one score-sized temporary where the reference form
+#: makes several, and fewer, larger chunks merge fewer parts of long rows.
+CHUNK_SCALE = 4
 
 
 def map_chunks(fn, chunks) -> list:
@@ -16,3 +40,69 @@ def map_chunks(fn, chunks) -> list:
     if len(chunks) > 1:
         return parallel_map(fn, chunks)
     return [fn(chunk) for chunk in chunks]
+
+
+def finite(x) -> bool:
+    """Whether ``x`` holds no NaN and no infinity: one reduction, no temporary (a
+    non-finite entry makes the float64 sum non-finite; a finite sum that overflows only
+    sends the call to the guarded reference form)."""
+    return bool(np.isfinite(np.add.reduce(x, axis=None, dtype=np.float64)))
+
+
+def drop_bad_values(vb):
+    """Blocked values ``vb (..., K, b, dv)`` with their non-finite rows zeroed, and those
+    rows ``(..., K, b)`` (bool)."""
+    bad = ~np.all(np.isfinite(vb), axis=-1)
+    return np.where(bad[..., None], np.zeros((), dtype=vb.dtype), vb), bad
+
+
+def _fit(s, other):
+    """``s`` widened (copied) to the broadcast shape with ``other`` where that is larger
+    (a bias or key mask with more batch entries than the queries)."""
+    shape = np.broadcast_shapes(s.shape, other.shape)
+    return s if shape == s.shape else np.broadcast_to(s, shape).copy()
+
+
+def attend_tiles(qc, kb, vb, tiles):
+    """Softmax attention of the query blocks ``qc (..., G, b, d)`` (scaled) over the
+    key blocks of ``tiles``, each ``(idx (G, R) host integers, allowed (..., G, b, R b)
+    bool or None for all, bias (..., G, b, R b) or None, poison (..., G, 1, R b) bool or
+    None)`` -- disjoint key sets whose partial softmaxes are merged online.
+    ``kb (..., K, b, d)``; ``vb (..., K, b, dv)`` holds finite values (the keys of its
+    zeroed bad rows are marked by ``poison``: NaN scores where they are allowed).
+    Returns ``(..., G, b, dv)``."""
+    acc = total = top = None
+    for idx, allowed, bias, poison in tiles:
+        g, r = idx.shape
+        flat = idx.reshape(-1)
+        kc = np.take(kb, flat, axis=-3)
+        kc = kc.reshape(*kc.shape[:-3], g, r * kb.shape[-2], kb.shape[-1])
+        vc = np.take(vb, flat, axis=-3)
+        vc = vc.reshape(*vc.shape[:-3], g, r * vb.shape[-2], vb.shape[-1])
+        s = np.matmul(qc, np.swapaxes(kc, -1, -2))              # (..., G, b, R b)
+        if bias is not None:
+            s = _fit(s, bias)
+            s += bias
+        if poison is not None:
+            s = _fit(s, poison)
+            np.copyto(s, np.nan, where=poison)
+        if allowed is not None:
+            s = _fit(s, allowed)
+            np.copyto(s, -np.inf, where=~allowed)
+        m = np.max(s, axis=-1, keepdims=True)
+        shift = np.where(m == -np.inf, 0.0, m).astype(s.dtype, copy=False)
+        s -= shift
+        np.exp(s, out=s)
+        part = np.sum(s, axis=-1, keepdims=True)
+        o = np.matmul(s, vc)
+        if acc is None:
+            acc, total, top = o, part, m
+            continue
+        new = np.maximum(top, m)
+        base = np.where(new == -np.inf, 0.0, new).astype(s.dtype, copy=False)
+        ca, cb = np.exp(top - base), np.exp(m - base)
+        acc = acc * ca + o * cb
+        total = total * ca + part * cb
+        top = new
+    acc /= np.where(total > 0, total, 1.0).astype(acc.dtype, copy=False)
+    return acc

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import reference
 from ..core.devices import chunk_elements
-from .._numpy.sparse import map_chunks
+from .._numpy.sparse import CHUNK_SCALE, attend_tiles, drop_bad_values, finite, map_chunks
 from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
 from .tiles import (PER_BLOCK, PER_KEY, blocked, host_indices, mask_from, mask_tables,
@@ -173,7 +173,11 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
     block) are split over their key blocks too, and the partial softmaxes merged by
     log-sum-exp (:func:`arrayattn.reference.sparse.merge_attention`).  ``threads``: the
     NumPy engine's threaded chunks of the full plan (the caller's choice, NumPy inputs
-    only); else the scanned form (:func:`scanned_group`)."""
+    only), each run by :func:`arrayattn._numpy.sparse.attend_tiles` where the values are
+    all finite (chosen once here; else with the bad values zeroed and their keys' scores
+    NaN, as the reference form's guards do); else
+    the scanned form (:func:`scanned_group`), whose program JAX compiles the same at
+    every ``n``."""
     xp = p.xp
     if math.prod(p.batch) == 0:          # an empty batch (no heads): nothing to plan
         return xp.zeros((*p.batch, p.n, p.dv), dtype=q.dtype, device=p.device)
@@ -185,15 +189,36 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
         groups = layout.scan_plan
         outs = [scanned_group(g, group, per_slot, per_row, budget) for group in groups]
         return unblock(xp, in_block_order(xp, outs, groups, -3, p.device), p.n)
-    chunks = cut_chunks(layout.plan, per_slot, per_row, budget)
+    vb, bad = (g.v, None) if finite(g.v) else drop_bad_values(g.v)   # chosen once
+    chunks = cut_chunks(layout.plan, per_slot, per_row, CHUNK_SCALE * budget)
 
     def attend_chunk(chunk):
         rows, idx, valid, span = chunk
-        tiles = (g.span(rows, i, m) for i, m in spans(idx, valid, span))
-        return g.attend(g.take(g.q, rows), tiles)[0]                 # (..., G, b, dv)
+        tiles = (engine_tile(g, rows, i, m, bad) for i, m in spans(idx, valid, span))
+        return attend_tiles(g.take(g.q, rows), g.k, vb, tiles)         # (..., G, b, dv)
 
     outs = map_chunks(attend_chunk, chunks)
     return unblock(xp, in_block_order(xp, outs, chunks, -3, p.device), p.n)
+
+
+def engine_tile(g: Gathered, rows, idx, valid, bad=None):
+    """One span of a chunk for the NumPy engine (:func:`arrayattn._numpy.sparse.attend_tiles`):
+    ``(idx, allowed, bias, poison)``, ``allowed`` ``None`` where every slot is allowed (a
+    block-level pattern's full rows: no mask to apply), ``poison`` the gathered keys whose
+    values ``bad (..., K, b)`` were not finite (``None`` where there are none)."""
+    idx_x = host_indices(g.xp, idx, g.device)
+    allowed = g.key_masked(idx_x, tile_mask(g.xp, g.layout, rows, idx, valid,
+                                            causal=g.causal, device=g.device))
+    if allowed.all():
+        allowed = None
+    poison = None
+    if bad is not None:
+        flat = np.take(bad, idx.reshape(-1), axis=-2)                      # (..., G R, b)
+        poison = np.reshape(flat, (*flat.shape[:-2], idx.shape[0], 1,
+                                   idx.shape[1] * flat.shape[-1]))
+        if not poison.any():
+            poison = None
+    return idx, allowed, g.bias_on(host_indices(g.xp, rows, g.device), idx_x), poison
 
 
 def scanned_group(g: Gathered, group, per_slot: int, per_row: int, budget: int):

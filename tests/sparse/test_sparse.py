@@ -396,3 +396,43 @@ def test_scan_plan_cuts_a_group_only_where_it_halves_the_work():
     cut = group_rows(band, 4, 0, max_groups=4)
     assert len(cut) == 1 and cut[0][1].shape == (16, 4)
     assert len(group_rows(band, 4, 0)) == 2     # the NumPy engine's plan does cut it
+
+
+@pytest.mark.parametrize("pattern", ["longformer", "bigbird", "strided"])
+def test_numpy_engine_bad_value_reaches_only_its_rows(pattern, rng, monkeypatch):
+    # The NumPy engine's own guard (arrayattn._numpy.sparse): a NaN or infinite value is
+    # zeroed once and its key's scores are NaN, in every span of a row walked in many
+    # merged parts (a tiny budget) and with a bias and key mask: the rows that see it are
+    # NaN, every other row is bit for bit the call with that value zeroed.
+    monkeypatch.setattr(arrayattn.core.devices, "CPU_CHUNK", 1)
+    q, k, v = make_qkv(rng, batch=(2,), n=N, d=8, dv=3, norm=4.0)
+    lay = PATTERNS[pattern](False)
+    bias = rng.standard_normal((2, N, N))
+    km = rng.random((2, N)) < 0.9
+    km[:, 21] = True
+    ref_mask = lay.dense_mask() & km[:, None, :]
+    for bad in (np.nan, np.inf):
+        vb, vz = v.copy(), v.copy()
+        vb[0, 21, 1], vz[0, 21, :] = bad, 0.0
+        with arrayattn.use_engine("numpy"):
+            got = sparse_attention(q, k, vb, layout=lay, bias=bias, key_mask=km)
+            want = sparse_attention(q, k, vz, layout=lay, bias=bias, key_mask=km)
+        seen = np.zeros((2, N), dtype=bool)
+        seen[0] = ref_mask[0, :, 21]
+        assert seen.any() and not np.isfinite(got[seen]).any(axis=-1).any()
+        xp_assert_equal(got[~seen], want[~seen])
+        with arrayattn.use_engine("reference"):
+            ref = sparse_attention(q, k, vz, layout=lay, bias=bias, key_mask=km)
+        xp_assert_close(got[~seen], ref[~seen], rtol=0, atol=1e-13)
+
+
+def test_numpy_engine_finite_check():
+    from arrayattn._numpy.sparse import finite
+    x = np.ones((3, 4), dtype=np.float32)
+    assert finite(x) and finite(x[:0])
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[2, 3] = bad
+        assert not finite(y)
+    # float32 values whose float32 sum would overflow are still finite
+    assert finite(np.full(1000, 3e38, dtype=np.float32))
