@@ -19,7 +19,8 @@ exceeds ``--factor`` (1.05, as ``asv continuous -f 1.05``).
 
 Revisions other than the work tree are checked out with ``git worktree add
 /tmp/regress_<sha> <sha>`` (removed at the end unless ``--keep``; an existing checkout
-of the same commit there is reused and kept) and imported through ``PYTHONPATH``; each
+of the same commit there is reused and kept; ``--checkouts`` names another folder than
+``/tmp``) and imported through ``PYTHONPATH``; each
 child checks that ``arrayattn`` came from its checkout.
 
 Writes ``<out>/regress.md`` and ``<out>/regress.json`` (``--out``, default
@@ -102,7 +103,7 @@ def _git(*args: str, cwd: str = ROOT) -> str:
 class Checkout:
     """A revision on disk: the work tree itself, or ``/tmp/regress_<sha>``."""
 
-    def __init__(self, rev: str | None, keep: bool = False):
+    def __init__(self, rev: str | None, keep: bool = False, parent: str = "/tmp"):
         self.rev = rev
         self.created = False
         self.keep = keep
@@ -114,7 +115,7 @@ class Checkout:
                                                             else "")
             return
         self.sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
-        self.path = f"/tmp/regress_{self.sha[:7]}"
+        self.path = os.path.join(parent, f"regress_{self.sha[:7]}")
         self.label = f"{self.sha[:9]} ({_git('log', '-1', '--format=%s', self.sha)[:60]})"
         if os.path.isdir(self.path):
             try:
@@ -221,7 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     ap.add_argument("--out", default=os.path.join(HERE, "results"),
                     help="folder for regress.md and regress.json")
-    ap.add_argument("--keep", action="store_true", help="keep the /tmp/regress_<sha> checkouts")
+    ap.add_argument("--keep", action="store_true", help="keep the regress_<sha> checkouts")
+    ap.add_argument("--checkouts", default="/tmp",
+                    help="folder of the regress_<sha> checkouts (default /tmp)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     pattern = re.compile(args.names)
@@ -231,8 +234,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     sides = {}
     try:
-        sides["base"] = Checkout(args.base, args.keep)
-        sides["head"] = Checkout(args.head, args.keep)
+        sides["base"] = Checkout(args.base, args.keep, args.checkouts)
+        sides["head"] = Checkout(args.head, args.keep, args.checkouts)
         causal_of = {s: _listing(c) for s, c in sides.items()}
         names = [nm for nm in causal_of["head"] if pattern.search(nm)]
         names += [nm for nm in causal_of["base"] if pattern.search(nm) and nm not in names]

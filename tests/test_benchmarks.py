@@ -260,7 +260,7 @@ def test_regress_ab_smoke(tmp_path):
     mod = load_benchmark("regress", "bench_regress")
     code = mod.main(["--base", "HEAD", "--names", "^linear_relu$", "--sizes", "64",
                      "--rounds", "2", "--heads", "1", "--calls", "1",
-                     "--out", str(tmp_path)])
+                     "--out", str(tmp_path), "--checkouts", str(tmp_path)])
     assert code in (0, 1)  # 1: a flagged case (timings of a tiny call are noise)
     data = json.loads((tmp_path / "regress.json").read_text())
     rows = data["rows"]
@@ -271,7 +271,7 @@ def test_regress_ab_smoke(tmp_path):
     assert code == int(any(r["flag"] for r in rows))
     md = (tmp_path / "regress.md").read_text()
     assert md.count("| linear_relu | 64 |") == 2 and "head/base" in md
-    assert worktrees() == before
+    assert worktrees() == before and not list(tmp_path.glob("regress_*"))
 
 
 def test_asv_suite_names_registered_variants():
