@@ -12,10 +12,14 @@ variant that the other revision lacks is skipped there (``NotImplementedError`` 
 
 Inputs: ``(1, 8, n, 64)`` float32 standard normal, seed 0, made in ``setup`` (not timed).
 
-Cost of a full run on the 2-core machine (per revision, 8 heads): the forward at
-n = 16384 dominates (about 2 x 2.5 min of single calls for plain and causal, each case
-timed as a calibration call plus one sample, in asv's 2 rounds), so about 20-30 minutes
-per revision and 45-60 minutes for ``asv continuous``; see benchmarks/README.md.
+Cost of a full run on the 2-core machine, estimated from benchmarks/README.md's table
+(1 head) times 8 heads: one sweep of single forward calls at n = 16384 takes about 2.5
+min plain and 2 min causal (strided, fixed, softmax and softmax_blockwise are 80% of it);
+each case costs about max(2 calls, 6 s) per round and asv runs 2 rounds, so the forward
+at 16384 is about 15-20 min per revision, n = 4096 about 5, peakmem 3, vjp (1 round)
+5-10 and the JAX tracks (a fresh process, import and compile per variant) 8-10: about
+40 min per revision, 1 h 20 min for ``asv continuous`` of the whole suite.  The forward
+alone (``--bench Forward.time``), the issue's table, is about half of that.
 """
 from __future__ import annotations
 
@@ -54,9 +58,10 @@ def _record(name: str, causal: bool = False):
 class _Timed:
     # One call of the biggest case takes up to ~40 s (strided at n = 16384, 8 heads):
     # number=0 lets asv calibrate (1 for any call over 10 ms; that calibration call is
-    # the warm-up) and repeat=(1, 5, 10.0) takes 1 to 5 samples, stopping after 10 s.
+    # the warm-up) and repeat=(1, 5, 6.0) takes 1 to 5 samples, none started after 6 s
+    # (so a case costs about max(2 calls, 6 s), at most 6 calls, per round).
     number = 0
-    repeat = (1, 5, 10.0)
+    repeat = (1, 5, 6.0)
     warmup_time = 0.0
     timeout = 900.0
 
@@ -94,7 +99,12 @@ class ForwardMemory:
 
 
 class VJP(_Timed):
-    """``arrayattn.vjp(name, q, k, v, do)`` (revisions that have it): every cotangent."""
+    """``arrayattn.vjp(name, q, k, v, do)`` (revisions that have it): every cotangent.
+    One asv round and at most 3 s of samples per case: e6332e9 has no ``vjp``, so these
+    compare only between later revisions."""
+
+    repeat = (1, 3, 3.0)
+    rounds = 1
 
     params = (NAMES, [1024, 4096], [False, True])
     param_names = ["variant", "n", "causal"]
