@@ -9,7 +9,8 @@ from .measures import is_array
 from .records import Prepared, Profile, repeat_kv_heads, take_options
 
 __all__ = ["SDPA", "FLASH_ATTN", "FLEX_ATTENTION", "prepare_sdpa", "prepare_flash_attn",
-           "prepare_flex_attention", "window_pair", "flash_alibi_lse_shift", "FLASH_OPTIONS"]
+           "prepare_flex_attention", "window_pair", "flash_alibi_lse_shift", "FLASH_OPTIONS",
+           "packed_alibi_bias"]
 
 
 def prepare_sdpa(q, k, v, params) -> Prepared:
@@ -119,8 +120,24 @@ def prepare_flash_attn(q, k, v, params) -> Prepared:
         opts["softcap"] = float(o["softcap"])
     if o["dropout_mask"] is not None:
         opts["dropout_p"] = float(o["dropout_p"])
+    if o["cu_seqlens_q"] is not None and opts.get("alibi_slopes") is not None and np.ndim(
+            opts["alibi_slopes"]) == 2:
+        opts["bias"] = packed_alibi_bias(q, k, o, opts.pop("alibi_slopes"))
     return Prepared("softmax", q, k, v, opts,
                     lse_shift=flash_alibi_lse_shift(q, k, o, window))
+
+
+def packed_alibi_bias(q, k, o, slopes) -> np.ndarray:
+    """Per-sequence ALiBi slopes ``(b, h)`` of a packed (varlen) call as the bias
+    ``-slope[seq(i), h] |pos_i - pos_j|`` ``(h, total_q, total_k)``, positions counted
+    within each sequence and queries end-aligned with their keys (entries across sequences
+    are masked by the segments anyway)."""
+    pos_q, seg = _row_positions(q, k, o)
+    ck = np.asarray(o["cu_seqlens_k"])
+    keys = np.arange(k.shape[-2])
+    pos_k = keys - ck[np.searchsorted(ck, keys, side="right") - 1]
+    slopes = np.asarray(slopes, dtype=np.float64)[seg].T          # (h, total_q)
+    return -slopes[:, :, None] * np.abs(pos_q[:, None] - pos_k[None, :])
 
 
 def _to_torch(x):

@@ -229,3 +229,21 @@ def test_a_gradient_that_cancels_to_zero_has_a_floor():
     bad = {"q": t[0].grad.numpy() + 1e-2}
     assert not compare_grads(bad, None, q, k, v, do, profile="sdpa", is_causal=True,
                              scale=0.3, enable_gqa=True).ok
+
+
+def test_packed_varlen_alibi_per_sequence_slopes():
+    """flash_attn_varlen with ALiBi slopes (b, h): each packed sequence its own slopes (the
+    referee gave the reference an extra batch axis; found by ``arrayattn check``)."""
+    rng = np.random.default_rng(0)
+    cq, ck = np.array([0, 3, 8]), np.array([0, 4, 11])
+    q, k, v = (rng.standard_normal((t, 2, 8)) for t in (8, 11, 11))
+    slopes = rng.uniform(0.1, 1, (2, 2))
+    outs = []
+    for b in range(2):
+        qb, kb, vb = (x[c[b]:c[b + 1]].transpose(1, 0, 2) for x, c in ((q, cq), (k, ck), (v, ck)))
+        outs.append(arrayattn.softmax_attention(qb, kb, vb, causal=True,
+                                                alibi_slopes=slopes[b]).transpose(1, 0, 2))
+    out = np.concatenate(outs)
+    opts = dict(profile="flash_attn", causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert compare_to_reference(out, None, q, k, v, alibi_slopes=slopes, **opts).ok
+    assert not compare_to_reference(out, None, q, k, v, alibi_slopes=slopes[0], **opts).ok

@@ -49,10 +49,13 @@ def test_clean_kernels_are_never_flagged(conv, seed):
     assert res.ok, res.summary()
 
 
-def test_torch_sdpa_forward_is_not_flagged():
+@pytest.mark.parametrize("seed", [0, 5])
+def test_torch_sdpa_forward_and_backward_are_not_flagged(seed):
+    """torch's own SDPA, gradients included (seed 5 reaches the one-key rows whose dq
+    cancels to rounding, once a false finding of the referee)."""
     import torch
-    res = check_kernel(torch.nn.functional.scaled_dot_product_attention, "sdpa", budget=3,
-                       seed=0, grads=False)
+    res = check_kernel(torch.nn.functional.scaled_dot_product_attention, "sdpa", budget=6,
+                       seed=seed)
     assert res.ok, res.summary()
 
 

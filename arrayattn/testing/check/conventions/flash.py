@@ -74,8 +74,7 @@ class FlashAttnVarlen(Convention):
                  "dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
                  "softcap=0.0, alibi_slopes=None, deterministic=False, "
                  "return_attn_probs=False)")
-    # alibi_slopes (b, h) on packed sequences: the referee's output has a wrong shape yet
-    space = {**_COMMON, "alibi_slopes": (None, "h"),
+    space = {**_COMMON,
              "segments": (None, "empty", "one_token", "uneven"),
              "return_attn_probs": (False, True), "backward": (False, True)}
 
