@@ -198,8 +198,9 @@ class Search:
 
 def _only_out_of_time(exc: BaseException) -> bool:
     """Whether ``exc`` is OutOfTime or Hypothesis's Found, alone or in a group."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_only_out_of_time(e) for e in exc.exceptions)
+    inner = getattr(exc, "exceptions", None)  # an exception group (3.11, or the backport)
+    if isinstance(inner, (tuple, list)):
+        return all(_only_out_of_time(e) for e in inner)
     return isinstance(exc, OutOfTime) or type(exc).__name__ == "Found"
 
 
