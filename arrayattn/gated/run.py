@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import reference
 from .checks import GatedCall, checked_gated
-from ..core.pipeline import Spec, Working, run
+from ..core.pipeline import Spec, Working, finite_on_host, nan_free_on_host, run
 
 __all__ = ["gated_reference", "gated_empty", "prepared", "run_gated", "STEP_SPEC"]
 
@@ -17,7 +17,9 @@ def prepared(call: GatedCall, w: Working) -> tuple:
     into NaN (checking it would read the device), a padded token's gate 1 and ``beta`` 0
     (it leaves the state as it is), and the tokens ``bad (..., n)`` holding a non-finite
     key, value or ``beta`` or a NaN gate taken out (``-inf`` gates are restarts, not
-    faults); the rows from a bad token on are NaN."""
+    faults); the rows from a bad token on are NaN.  ``bad`` is ``None`` where a cheap
+    NumPy host pass (:func:`~arrayattn.core.pipeline.finite_on_host`) finds no such
+    token: then nothing is taken out or poisoned."""
     xp, key_mask, beta = call.p.xp, call.key_mask, call.beta
     wq, wk, wv = w.q, w.k, w.v           # masked keys already zeroed (pipeline.working)
     if call.normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
@@ -28,6 +30,8 @@ def prepared(call: GatedCall, w: Working) -> tuple:
     if key_mask is not None:
         g = xp.where(key_mask[..., None], g, 0.0)
         beta = None if beta is None else xp.where(key_mask, beta, 0.0)
+    if finite_on_host(xp, wk, wv, beta) and nan_free_on_host(xp, g):
+        return wq, wk, wv, g, beta, None         # NumPy, nothing to take out (issue #39)
     bad = reference.nonfinite_rows(wk, wv) | reference.nan_over(g, (-1,))
     if beta is not None:
         bad = bad | ~xp.isfinite(beta)
@@ -59,8 +63,9 @@ def gated_reference(call: GatedCall, w: Working):
         out, s = reference.delta_recurrent(wq, wk, wv, beta, g, s0)
     else:
         out, s = reference.delta_chunked(wq, wk, wv, beta, g, s0, call.chunk_size)
-    out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
-    s = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, s)
+    if bad is not None:
+        out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
+        s = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, s)
     return _result(call, xp.broadcast_to(out, p.out_shape), s)
 
 
