@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .. import reference
 from .checks import GatedCall, checked_gated
+from ..core.engine import numpy_engine
 from ..core.pipeline import Spec, Working, finite_on_host, nan_free_on_host, run
 
 __all__ = ["gated_reference", "gated_empty", "prepared", "run_gated", "STEP_SPEC"]
@@ -23,7 +24,7 @@ def prepared(call: GatedCall, w: Working) -> tuple:
     xp, key_mask, beta = call.p.xp, call.key_mask, call.beta
     wq, wk, wv = w.q, w.k, w.v           # masked keys already zeroed (pipeline.working)
     if call.normalize_qk:      # fla's use_qk_l2norm: unit q and k (a zero row stays zero)
-        wq, wk = (reference.unit_rows(x)[0] for x in (wq, wk))
+        wq, wk = (_unit_rows(xp, x) for x in (wq, wk))
     if call.scale is not None:
         wq = wq * call.scale
     g = xp.where(call.g <= 0.0, call.g, xp.nan)
@@ -38,6 +39,28 @@ def prepared(call: GatedCall, w: Working) -> tuple:
         beta = xp.where(bad, 0.0, beta)
     wk, wv = reference.drop_nonfinite(bad, wk, wv)
     return wq, wk, wv, xp.where(bad[..., None], 0.0, g), beta, bad
+
+
+def _unit_rows(xp, x):
+    """``x / ||x||`` row by row, :func:`~arrayattn.reference.unit_rows`'s value.  On NumPy
+    (the engine not refused) the squared norms by one ``einsum`` and a host check: rows
+    whose squared norm is finite and far from underflow (``>= tiny / eps``: every
+    underflowed square is below the rounding error) divide by it at once; only the
+    others (zero, huge, tiny or non-finite rows) take the reference's scaled norm.  The
+    reference's six passes and temporaries cost 18 ms per ``(1, 8, 4096, 64)`` float32
+    array, this 0.7 ms (issue #39, deltanet's ``normalize_qk``)."""
+    if not numpy_engine(xp, None):
+        return reference.unit_rows(x)[0]
+    import numpy as np
+    info = np.finfo(x.dtype)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        sq = np.einsum("...i,...i->...", x, x)
+    ok = np.isfinite(sq) & (sq >= info.tiny / info.eps)
+    if ok.all():
+        return x / np.sqrt(sq)[..., None]
+    norm = np.sqrt(np.where(ok, sq, 1.0))
+    norm[~ok] = reference.unit_rows(x[~ok])[1][..., 0]
+    return x / norm[..., None]
 
 
 def _result(call: GatedCall, out, s):
