@@ -10,6 +10,7 @@ revision: ``arrayattn.get_variant(name)(q, k, v, causal=...)``.
 
     python benchmarks/ab_nonfinite.py --rev e6332e9=/tmp/base_e633 --rev d36ef9c=/tmp/base_d36 \
         --rev new=. --n 4096 --rounds 3
+    python benchmarks/ab_nonfinite.py --rev new=. --check-cost 16384 --out ...  # the check's price
 
 OpenBLAS: ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` are removed from the children's
 environment with ``--unset-openblas`` (they are set on the shared host; removing them gives
@@ -69,6 +70,45 @@ def child(rev_path: str, name: str, n: int, causal: bool, calls: int, unset: boo
     return json.loads(res.stdout.strip().splitlines()[-1])["ms"]
 
 
+#: the arrays each variant's host check reads (issue #39 point 1's price)
+CHECKED = {"nystrom_iterative": "qkv", "nystrom_svd": "qkv"}
+
+
+def check_cost(variants, n: int, calls: int) -> list[str]:
+    """Markdown rows: per variant and causal setting, the call's best time and that of
+    :func:`~arrayattn.core.pipeline.finite_on_host` on the arrays it reads (this checkout,
+    in this process)."""
+    import numpy as np
+    import arrayattn
+    from arrayattn.core.pipeline import finite_on_host
+
+    def best(fn, reps):
+        fn()
+        b = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            b = min(b, time.perf_counter() - t0)
+        return b * 1e3
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, n, 64)).astype(np.float32) for _ in range(3))
+    rows = []
+    for name in variants:
+        rec = arrayattn.get_variant(name)
+        arrays = (q, k, v) if CHECKED.get(name) == "qkv" else (k, v)
+        for causal in ([False, True] if rec.causal else [False]):
+            kw = {"causal": True} if causal else {}
+            if name.startswith(("linear", "performer")) and not causal:
+                continue                      # no poisoning, no check
+            t_call = best(lambda: rec(q, k, v, **kw), calls)
+            t_check = best(lambda: finite_on_host(np, *arrays), 4 * calls)
+            rows.append(f"| {name} | {n} | {causal} | {t_call:.2f} | {t_check:.2f} | "
+                        f"{100 * t_check / t_call:.1f}% |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", action="append", required=True,
@@ -80,7 +120,21 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", choices=["both", "plain", "causal"], default="both")
     ap.add_argument("--unset-openblas", action="store_true")
     ap.add_argument("--out", default=None, help="Markdown file to write (and .json beside)")
+    ap.add_argument("--check-cost", type=int, default=0, metavar="N",
+                    help="instead: time the host check against the call at n=N in this "
+                         "checkout (in process) and append the table to --out")
     args = ap.parse_args(argv)
+    if args.check_cost:
+        rows = check_cost(args.variants.split(","), args.check_cost, args.calls)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write("\n".join(["", "The price of the check on finite inputs (this "
+                                     "checkout, one process, best of "
+                                     f"{args.calls} calls; check best of {4 * args.calls}):",
+                                     "", "| variant | n | causal | call ms | check ms | "
+                                     "check / call |", "|---|---|---|---|---|---|", *rows])
+                         + "\n")
+        return 0
     revs = [r.split("=", 1) for r in args.rev]
     rows = []
     for name in args.variants.split(","):
