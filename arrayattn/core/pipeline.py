@@ -136,11 +136,13 @@ def working(p, q, k, v, key_mask, *, poison: bool = False) -> Working:
 def finite_on_host(xp, *arrays) -> bool:
     """Whether one cheap host pass proves every value of ``arrays`` finite.
 
-    On NumPy (no device: reading a value syncs nothing) the sum of each array: it is finite
-    only where every value is (a NaN propagates, ``inf - inf`` is NaN); a sum of finite
-    values that overflows answers ``False``, which only sends the call to the careful path.
-    One read of each array, no temporary -- about 1 ms for 8M float32 values, against the
-    ~30 ms of the per-row reductions and ``where`` copies it spares (issue #39).  ``None``
+    On NumPy (no device: reading a value syncs nothing) one sum over each array (of its
+    squares where it is contiguous, :func:`_host_sum`): it is finite only where every
+    value is (a NaN propagates, ``inf - inf`` is NaN); a sum of finite values that
+    overflows answers ``False``, which only sends the call to the careful path.  One read
+    of each array, no temporary -- about 0.6 ms for 8M float32 values, against the
+    ~70 ms of the per-row reductions and ``where`` copies it spares at n = 16384
+    (issue #39).  ``None``
     entries are skipped.  On every other namespace ``False`` (not known): those callers
     keep the ``where``-based path, which reads no value and traces under ``jax.jit``.
     """
@@ -148,7 +150,19 @@ def finite_on_host(xp, *arrays) -> bool:
         return False
     import numpy as np
     with np.errstate(over="ignore", invalid="ignore"):     # no warning for what it finds
-        return all(x is None or x.size == 0 or bool(np.isfinite(np.sum(x))) for x in arrays)
+        return all(x is None or x.size == 0 or bool(np.isfinite(_host_sum(np, x)))
+                   for x in arrays)
+
+
+def _host_sum(np, x):
+    """A sum over ``x`` that is finite only where every value is: ``x . x`` by the BLAS
+    where ``x`` is one contiguous float block (twice the speed of ``np.sum``: 0.64 ms
+    against 1.3 ms for 8M float32 values; a square that overflows only answers "not
+    known"), else ``np.sum``."""
+    if x.flags.c_contiguous and x.dtype in (np.float32, np.float64):
+        flat = x.reshape(-1)
+        return np.dot(flat, flat)
+    return np.sum(x)
 
 
 def nan_free_on_host(xp, *arrays) -> bool:

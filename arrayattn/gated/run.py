@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from .. import reference
 from .checks import GatedCall, checked_gated
-from ..core.engine import numpy_engine
-from ..core.pipeline import Spec, Working, finite_on_host, nan_free_on_host, run
+from ..core.pipeline import (Spec, Working, engine_pays, finite_on_host, nan_free_on_host,
+                             run)
 
 __all__ = ["gated_reference", "gated_empty", "prepared", "run_gated", "STEP_SPEC"]
 
@@ -49,7 +49,7 @@ def _unit_rows(xp, x):
     others (zero, huge, tiny or non-finite rows) take the reference's scaled norm.  The
     reference's six passes and temporaries cost 18 ms per ``(1, 8, 4096, 64)`` float32
     array, this 0.7 ms (issue #39, deltanet's ``normalize_qk``)."""
-    if not numpy_engine(xp, None):
+    if not engine_pays(xp, None):
         return reference.unit_rows(x)[0]
     import numpy as np
     info = np.finfo(x.dtype)

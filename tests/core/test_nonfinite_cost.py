@@ -106,6 +106,11 @@ def test_host_checks():
         assert not finite_on_host(np, x, y)
     # a sum that overflows only answers "not known": the careful path, never a wrong answer
     assert not finite_on_host(np, np.full(4, 3e38, dtype=np.float32))
+    assert not finite_on_host(np, np.full(4, 1e20, dtype=np.float32))   # x . x overflows
+    y = np.ones((3, 4), dtype=np.float32)[:, ::2].copy().T   # not C-contiguous: np.sum
+    assert finite_on_host(np, y)
+    y[0, 1] = np.nan
+    assert not finite_on_host(np, y)
     g = np.zeros((2, 5, 1))
     g[0, 1] = -np.inf                       # a restart, not a fault
     assert nan_free_on_host(np, g)
