@@ -11,7 +11,12 @@
    rows of masked keys** (padding may hold anything, NaN included), once;
 4. **take out non-finite keys** where the spec marks them (``spec.poison(call)``): a key or
    value row holding NaN/inf is zeroed and marked in ``bad (..., s)``, and the variant makes
-   NaN exactly the rows that may see it (:mod:`arrayattn.reference.finite`);
+   NaN exactly the rows that may see it (:mod:`arrayattn.reference.finite`).  On NumPy
+   one cheap pass first (:func:`finite_on_host`, a sum of ``k`` and one of ``v``): where it
+   finds every value finite, nothing is marked (``bad`` is ``None``) and no row is
+   poisoned -- the guarantee costs ~1% of a call on finite inputs (issue #39).  Other
+   namespaces always take the careful, ``where``-based path (no host read: it traces
+   under ``jax.jit``);
 5. **enter the namespace** (:func:`arrayattn.core.engine.entry`: the NumPy engine's lock, full
    float32 matmul precision elsewhere);
 6. **choose the implementation**: the spec's NumPy engine when the inputs are NumPy and
@@ -32,17 +37,21 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple
 
+import array_api_compat
+
 from .engine import dense_reference, entry, numpy_engine
 from ..reference.finite import drop_nonfinite, nonfinite_rows
 from ..reference.masks import zero_masked_keys
 
-__all__ = ["Spec", "Working", "run", "working", "implementation", "engine_pays"]
+__all__ = ["Spec", "Working", "run", "working", "implementation", "engine_pays",
+           "finite_on_host", "nan_free_on_host"]
 
 
 class Working(NamedTuple):
     """``q, k, v`` in the working dtype, masked keys zeroed; ``bad (..., s)`` marks the
     keys taken out for holding a non-finite value (``None`` where the spec does not mark
-    them)."""
+    them, or where :func:`finite_on_host` found every key and value finite: then no row
+    is poisoned)."""
 
     q: Any
     k: Any
@@ -118,10 +127,53 @@ def working(p, q, k, v, key_mask, *, poison: bool = False) -> Working:
     wk, wv = zero_masked_keys(key_mask, xp.astype(k, wd, copy=False),
                               xp.astype(v, wd, copy=False))
     bad = None
-    if poison:
+    if poison and not finite_on_host(xp, wk, wv):
         bad = nonfinite_rows(wk, wv)
         wk, wv = drop_nonfinite(bad, wk, wv)
     return Working(xp.astype(q, wd, copy=False), wk, wv, bad)
+
+
+def finite_on_host(xp, *arrays) -> bool:
+    """Whether one cheap host pass proves every value of ``arrays`` finite.
+
+    On NumPy (no device: reading a value syncs nothing) one sum over each array (of its
+    squares where it is contiguous, :func:`_host_sum`): it is finite only where every
+    value is (a NaN propagates, ``inf - inf`` is NaN); a sum of finite values that
+    overflows answers ``False``, which only sends the call to the careful path.  One read
+    of each array, no temporary -- about 0.6 ms for 8M float32 values, against the
+    ~70 ms of the per-row reductions and ``where`` copies it spares at n = 16384
+    (issue #39).  ``None``
+    entries are skipped.  On every other namespace ``False`` (not known): those callers
+    keep the ``where``-based path, which reads no value and traces under ``jax.jit``.
+    """
+    if not array_api_compat.is_numpy_namespace(xp):
+        return False
+    import numpy as np
+    with np.errstate(over="ignore", invalid="ignore"):     # no warning for what it finds
+        return all(x is None or x.size == 0 or bool(np.isfinite(_host_sum(np, x)))
+                   for x in arrays)
+
+
+def _host_sum(np, x):
+    """A sum over ``x`` that is finite only where every value is: ``x . x`` by the BLAS
+    where ``x`` is one contiguous float block (twice the speed of ``np.sum``: 0.64 ms
+    against 1.3 ms for 8M float32 values; a square that overflows only answers "not
+    known"), else ``np.sum``."""
+    if x.flags.c_contiguous and x.dtype in (np.float32, np.float64):
+        flat = x.reshape(-1)
+        return np.dot(flat, flat)
+    return np.sum(x)
+
+
+def nan_free_on_host(xp, *arrays) -> bool:
+    """Like :func:`finite_on_host` for arrays whose infinities are allowed but all of one
+    sign (log gates ``<= 0``, ``-inf`` a restart): no NaN, proved by a sum that is not
+    NaN.  ``False`` on every namespace but NumPy."""
+    if not array_api_compat.is_numpy_namespace(xp):
+        return False
+    import numpy as np
+    with np.errstate(over="ignore", invalid="ignore"):
+        return all(x is None or x.size == 0 or not bool(np.isnan(np.sum(x))) for x in arrays)
 
 
 def implementation(spec: Spec, call, w) -> Callable:

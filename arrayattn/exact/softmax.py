@@ -171,7 +171,7 @@ def engine_takes(call: Call, w: Working) -> bool:
     ``any`` syncs no device)."""
     lg = call.logits
     return (lg.plain and lg.bias is None and call.dropout is None and not call.return_lse
-            and not call.p.xp.any(w.bad))
+            and (w.bad is None or not call.p.xp.any(w.bad)))
 
 
 def _work(call: Call, w: Working):

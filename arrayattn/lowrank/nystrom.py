@@ -23,7 +23,7 @@ from ..core.engine import entry
 from .checks import (LandmarkCall, NystromCall, checked_landmark, checked_nystrom,
                      checked_segment_means)
 from ..core.xp import compute_dtype, xp_device
-from ..core.pipeline import Spec, Working, engine_pays, run
+from ..core.pipeline import Spec, Working, engine_pays, finite_on_host, run
 
 __all__ = ["segment_lengths", "segment_means", "nystrom_attention", "landmark_attention",
            "checked_nystrom", "checked_landmark", "NYSTROM_SPEC", "LANDMARK_SPEC"]
@@ -252,8 +252,14 @@ def _finite(form, call: NystromCall, w: Working):
     tokens: every row depends on every token through the landmarks, so a non-finite
     query, key or value makes all rows NaN; it is taken out first (it must not reach the
     SVD, which would raise).  A masked token is dropped, never counted (padding may hold
-    anything)."""
+    anything).  On NumPy a cheap host pass (:func:`~arrayattn.core.pipeline.finite_on_host`)
+    that finds every query, key and value finite runs ``form`` as it is."""
     xp = call.p.xp
+    if finite_on_host(xp, w.q, w.k, w.v):      # NumPy, nothing non-finite (issue #39)
+        out = form(w.q, w.k, w.v, **call.options)
+        if call.conv_kernel is not None:
+            out = out + reference.depthwise_conv(w.v, call.conv_kernel, call.key_mask)
+        return out
     real_q = w.q if call.query_mask is None else xp.where(call.query_mask[..., None], w.q, 0.0)
     bad = (reference.nonfinite_over(real_q, (-2, -1)) | reference.nonfinite_over(w.k, (-2, -1))
            | reference.nonfinite_over(w.v, (-2, -1)))
