@@ -21,7 +21,9 @@ import sys
 import numpy as np
 
 import arrayattn  # noqa: F401
-from arrayattn.testing import compare_grads, compare_to_reference
+from arrayattn.testing import compare_grads, compare_to_reference, rounding
+
+rounding.MEASURE_ALWAYS = True      # every tolerance in full, also where MATCH without it
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

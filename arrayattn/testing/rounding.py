@@ -39,6 +39,10 @@ HALF_JITTER_SCALE = 1.0
 #: are exact inputs that only the products and sums after them round (the logits' inputs
 #: ``q``, ``k`` stand for the rounding of a dot product of length ``d`` as well).
 VALUE_SHARE = 0.5
+#: Measure the response to rounding even where the verdict is already MATCH without it
+#: (the referees skip it there: it can only raise the tolerance).  The calibration sets it
+#: to report every tolerance in full.
+MEASURE_ALWAYS = False
 #: Independent perturbations; the baseline is the largest response among them.
 JITTER_DRAWS = 3
 
