@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import get_array_backend
-from .calls import Compiled, compiles, implied_matrix, on_host, timed
+from .calls import Compiled, compiles, implied_matrix, on_host, timed, wide_v_shape
 from .json_file import machine_info, rows_as_dicts, write_json
 from ..registry import get_variant, variants
 from .plot import plot_report
@@ -224,7 +224,11 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
     shapes = {tuple(x.shape for x in host): host for host in hosts.values()}
     if compiles(be):
         prog.note(f"compiling {len(recs)} variant(s) x {len(shapes)} input shape(s) first")
-    compiled.ahead(recs, [[be.asarray(x, w.dtype) for x in host] for host in shapes.values()])
+    inputs = [[be.asarray(x, w.dtype) for x in host] for host in shapes.values()]
+    # the implied matrix's programs (one call per case): for the shapes that need one
+    wide = [(q, k, wide_v_shape(v.shape)) for q, k, v in inputs
+            if q.shape[-2] <= MATRIX_MAX_N and wide_v_shape(v.shape) is not None]
+    compiled.ahead(recs, inputs, wide=wide)
     rows = []
     for case in CASES:
         host = hosts[case]
