@@ -119,68 +119,81 @@ class Executables:
 
 
 def wide_v_shape(v_shape) -> tuple | None:
-    """The shape of the ``v`` that carries the whole identity ``I_s`` in every head slot
-    (``(..., s, s)``), where :func:`implied_matrix` reads the matrix through it: where the
-    case's own program cannot carry every column block twice (``slots < 2 blocks``), else
-    ``None`` (the case's own shape does it)."""
+    """The shape ``(..., s, s)`` of a ``v`` that carries the whole identity ``I_s`` in
+    every head slot, where ``v``'s own shape cannot carry every block of its ``dv``
+    columns twice (``slots < 2 ceil(s / dv)``); else ``None`` (the case's own program
+    reads the matrix in one call: :func:`implied_matrix`)."""
     s, dv = v_shape[-2], v_shape[-1]
     if math.prod(v_shape[:-2]) >= 2 * -(-s // dv):
         return None
     return (*v_shape[:-1], s)
 
 
-def implied_matrix(be, call, hq, hk, v_shape, dtype, alike=None):
+def implied_matrix(be, call, hq, hk, v_shape, dtype, alike=None, wide=False):
     """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``, and
     whether the variant's heads are alike (``None`` where that was not needed).
 
-    Where calls are compiled (JAX), in **one call** of the variant's compiled call, the
-    first head's ``q, k`` in every head slot:
+    Where calls are compiled (JAX), through the variant's compiled call, the first head's
+    ``q, k`` in every head slot, the identity's columns in blocks of ``dv``:
 
-    * where ``v``'s shape has room for every block of ``dv`` of the identity's columns
-      twice (``slots >= 2 * ceil(s / dv)``: the ``real`` case, 36 heads), through the
-      case's own program -- no other shape to compile: slot ``i`` carries block
-      ``i mod blocks``, and the copies of a block agree where the variant's heads are
-      alike.  A variant whose heads are not alike (per-head decays, gates drawn per head)
-      answers differently in its slots; then slot 0 is the first head's, and each other
-      block takes one call more.  ``alike`` passes what an earlier case found;
-    * elsewhere (2 heads of ``dv = 64`` for ``s = 1024`` columns) through one program
-      whose ``v (..., s, s)`` carries the whole identity in every slot
-      (:func:`wide_v_shape`; compiled ahead, once for the cases of that shape); slot 0
-      is the first head's, whatever the other heads are.
+    * where ``v``'s shape carries every block twice (``slots >= 2 ceil(s / dv)``: the
+      ``real`` case, 36 heads), in **one call** of the case's own program: slot ``i``
+      carries block ``i mod blocks``, and the copies of a block agree where the
+      variant's heads are alike.  A variant whose heads are not alike (per-head decays,
+      gates drawn per head) answers differently in its slots; its slot 0 is the first
+      head's, and each further block takes one call;
+    * elsewhere (2 heads of ``dv = 64`` for ``s = 1024``), ``wide=True``: in one call of
+      a program whose ``v (..., s, s)`` carries the whole identity in every slot
+      (:func:`wide_v_shape`; one more program per variant and shape, compiled ahead:
+      dearer than the calls it saves on a CPU, ``docs/report.rst``); ``wide=False``
+      (the report's default), through the case's own program, ``slots x dv`` columns a
+      call -- a first call with block 0 in every slot finds out whether the heads are
+      alike (``alike=None``; pass what an earlier case found to save it) -- or ``dv``
+      columns a call where they are not.
 
-    The column-block form -- one call per block of ``dv`` columns -- gives the same
-    matrix to rounding (``tests/report/test_report.py``).  Elsewhere one call on ``I_s``."""
+    Every form gives the column-block form's matrix (one call per block), to float32
+    rounding (``tests/report/test_report.py``).  Elsewhere one call on ``I_s``."""
     if not compiles(be):
         return on_host(attention_matrix(call, be.asarray(hq[:1, :1], dtype),
                                         be.asarray(hk[:1, :1], dtype))), None
     s, dv, n = v_shape[-2], v_shape[-1], hq.shape[-2]
     slots = math.prod(v_shape[:-2])
     q0, k0 = (be.asarray(np.broadcast_to(x[:1, :1], x.shape), dtype) for x in (hq, hk))
-    wide = wide_v_shape(v_shape)
-    if wide is not None:
-        eye = np.broadcast_to(np.eye(s), wide)
+    if wide and wide_v_shape(v_shape) is not None:
+        eye = np.broadcast_to(np.eye(s), wide_v_shape(v_shape))
         out = on_host(call(q0, k0, be.asarray(eye, dtype)))
         return np.reshape(out, (slots, n, s))[0][None, None], alike
-    eye, blocks = np.eye(s), -(-s // dv)
+    eye, starts = np.eye(s), list(range(0, s, dv))
 
-    def columns(starts):
+    def columns(layout):
         block = np.zeros((slots, s, dv))
-        for slot, j0 in enumerate(starts):
+        for slot, j0 in enumerate(layout):
             block[slot, :, :min(dv, s - j0)] = eye[:, j0:j0 + dv]
         out = call(q0, k0, be.asarray(np.reshape(block, v_shape), dtype))
         return np.reshape(on_host(out), (slots, n, dv))
 
-    first = columns([dv * (i % blocks) for i in range(slots)])
-    if alike is None:
-        tol = 1e-6 * np.abs(first[:blocks]).max()
-        alike = all(np.allclose(first[i], first[i % blocks], rtol=1e-4, atol=tol)
-                    for i in range(blocks, slots))
-    cols = {0: first[0]}
-    if alike:
-        cols = {dv * b: first[b] for b in range(blocks)}
-    else:                                     # slot 0 is the first head: a call a block
-        for b in range(1, blocks):
-            cols[dv * b] = columns([dv * b] * slots)[0]
+    def agree(out, copies):
+        tol = 1e-6 * np.abs(out[:len(copies)]).max()
+        return all(np.allclose(out[i], out[j], rtol=1e-4, atol=tol) for i, j in copies)
+
+    cols = {}
+    if alike is None:             # a first call finds out whether the heads are alike
+        if slots >= 2 * len(starts):      # every block, each twice or more: all in it
+            layout = [starts[i % len(starts)] for i in range(slots)]
+            copies = [(i, i % len(starts)) for i in range(len(starts), slots)]
+        else:                             # block 0 in every slot
+            layout, copies = [0] * slots, [(i, 0) for i in range(1, slots)]
+        first = columns(layout)
+        alike = agree(first, copies)
+        cols = {0: first[0]}
+        if alike and len(copies) >= len(starts):        # the cyclic layout: every block
+            cols = dict(zip(starts, first[:len(starts)]))
+    rest = [j0 for j0 in starts if j0 not in cols]
+    step = slots if alike else 1
+    for c0 in range(0, len(rest), step):
+        part = rest[c0:c0 + step]
+        out = columns(part + [0] * (slots - len(part)) if alike else part * slots)
+        cols.update({j0: out[slot] for slot, j0 in enumerate(part)})
     a = np.concatenate([cols[j0][:, :min(dv, s - j0)] for j0 in sorted(cols)], axis=-1)
     return a[None, None], alike
 
