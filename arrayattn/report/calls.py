@@ -50,29 +50,27 @@ class Compiled:
         return self.calls[rec.name]
 
     def ahead(self, recs, inputs, workers: int = 2, wide=()):
-        """Compile every variant of ``recs`` for every input triple of ``inputs`` and run
-        it once (the warm-up: :func:`timed` then makes no call of its own before the
-        timed ones), and compile it for each ``v`` shape of ``wide`` (the implied
-        matrix's programs, :func:`wide_v_shape`: ``(q, k, v shape)``, for the records
-        linear in ``v``) -- all before anything is timed, ``workers`` programs at a time
-        (XLA compiles outside Python's lock, so one program traces while another
-        compiles or runs); the calls then find them compiled (:class:`Executables`).  A
-        variant that fails here fails again in its row, where the error is reported."""
+        """Compile every variant of ``recs`` for every input triple of ``inputs``, and for
+        each ``v`` shape of ``wide`` (the one-call implied matrix's programs,
+        :func:`wide_v_shape`: ``(q, k, v shape)``, for the records linear in ``v``),
+        before anything is timed, ``workers`` programs at a time (XLA compiles outside
+        Python's lock, so one program traces while another compiles); the calls then
+        find them compiled (:class:`Executables`).  (Running each program here too, as a
+        warm-up, measured no faster: the runs contend with the compiles.)  A variant
+        that fails here fails again in its row, where the error is reported."""
         if not self.compiles:
             return
         import jax
 
-        jobs = [(self(rec), args, True) for rec in recs for args in inputs]
-        jobs += [(self(rec), (q, k, jax.ShapeDtypeStruct(shape, q.dtype)), False)
+        jobs = [(self(rec), args) for rec in recs for args in inputs]
+        jobs += [(self(rec), (q, k, jax.ShapeDtypeStruct(shape, q.dtype)))
                  for rec in recs if getattr(rec, "linear_in_v", True)
                  for q, k, shape in wide]
 
         def compile_one(job):
-            call, args, warm = job
+            call, args = job
             try:
                 call.compiled(*args)
-                if warm:
-                    jax.block_until_ready(call(*args))
             except Exception:  # reported by the row's own call
                 pass
 
@@ -211,8 +209,9 @@ def timed(be, call, q, k, v, repeats):
     """Warm-up call (peak memory measured on it; on JAX it compiles ``call`` for these
     shapes unless an earlier call did), then ``repeats`` timed calls; the output is the
     warm-up's.  No warm-up where the program ran already (:meth:`Executables.has_run`:
-    :meth:`Compiled.ahead` ran it once) and nothing measures peak memory: the output is
-    then the first timed call's (the same program on the same inputs).  ``call``: a
+    an earlier case of the same shapes ran it -- the ``sharp`` case after the
+    ``gaussian`` one) and nothing measures peak memory: the output is then the first
+    timed call's (the same program on the same inputs, the same numbers).  ``call``: a
     prepared call, or a registry record (prepared here)."""
     if isinstance(call, Variant):
         call = Compiled(be)(call)
