@@ -152,19 +152,9 @@ def _check_flags(variant, profile, options, rtol, factor) -> tuple:
     return rec, params
 
 
-def _file_option(name, a):
-    """An option stored in the file: a 0-d integer array (``np.savez(..., seed=3)`` stores
-    ``seed`` so) is the Python integer it holds, as ``--option seed=3`` gives; any other
-    array is passed as saved."""
-    if a.ndim == 0 and a.dtype.kind in "iu" and name not in ARRAY_OPTIONS:
-        return int(a)
-    return a
-
-
 def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
-    """``(q, k, v, out; do, gradients, lse; the options)`` of the file, its other arrays
-    joined to ``params``; UsageError on a file that does not fit the flags.  Judged apart
-    from ``out``: ``do``, ``lse`` and ``d<name>`` of an array ``<name>`` of the file."""
+    """``(q, k, v, out; do, gradients, lse; the options)`` of the file, other arrays joined
+    to ``params``; UsageError if it does not fit the flags (``do, lse, d<x>`` judged apart)."""
     arrays = load_npz(path)
     training = {key: arrays.pop(key) for key in list(arrays) if key in ("do", "lse") or (
         key.startswith("d") and key[1:] in arrays)}
@@ -175,8 +165,8 @@ def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
     if grads and profile is not None:
         raise UsageError("gradients are judged with --variant and the variant's own option "
                          "names, not with a --profile")
-    extra = {name: _file_option(name, a) for name, a in arrays.items()
-             if name not in REQUIRED}
+    extra = {name: int(a) if a.ndim == 0 and a.dtype.kind in "iu" else a   # np.savez(seed=3)
+             for name, a in arrays.items() if name not in REQUIRED}   # 0-d int: the int
     clash = sorted(set(extra) & set(params))
     if clash:
         raise UsageError(f"option(s) {', '.join(clash)} given both in {path} and with "
