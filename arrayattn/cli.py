@@ -155,9 +155,8 @@ def _check_flags(variant, profile, options, rtol, factor) -> tuple:
 
 
 def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
-    """``(q, k, v, out; do, gradients, lse; the options)`` of the file, its other arrays
-    joined to ``params``; UsageError on a file that does not fit the flags.  Judged apart
-    from ``out``: ``do``, ``lse`` and ``d<name>`` of an array ``<name>`` of the file."""
+    """``(q, k, v, out; do, gradients, lse; the options)`` of the file, other arrays joined
+    to ``params``; UsageError if it does not fit the flags (``do, lse, d<x>`` judged apart)."""
     arrays = load_npz(path)
     training = {key: arrays.pop(key) for key in list(arrays) if key in (
         "do", "lse", "final_state") or (key.startswith("d") and key[1:] in arrays)}
@@ -165,7 +164,8 @@ def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
     if grads and "do" not in training:
         raise UsageError(f"{path} holds gradient(s) {', '.join(grads)} but no 'do' (the "
                          "output cotangent they were computed with)")
-    extra = {name: a for name, a in arrays.items() if name not in REQUIRED}
+    extra = {name: int(a) if a.ndim == 0 and a.dtype.kind in "iu" else a   # np.savez(seed=3)
+             for name, a in arrays.items() if name not in REQUIRED}   # 0-d int: the int
     clash = sorted(set(extra) & set(params))
     if clash:
         raise UsageError(f"option(s) {', '.join(clash)} given both in {path} and with "

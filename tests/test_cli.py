@@ -78,3 +78,18 @@ def test_validate_hints_top_left_alignment(tmp_path, rng, capsys):
     text = capsys.readouterr().out
     assert "MISMATCH" in text and "top-left causal alignment" in text
     assert "by error / tolerance" in text
+
+
+def test_validate_takes_a_seed_stored_as_a_0d_integer_array(tmp_path, rng, capsys):
+    """``np.savez(..., seed=3)`` stores the seed as a 0-d integer array; validate takes it
+    as ``--option seed=3`` (it refused it before: issue #39 point 7), and the seed is
+    used: another seed's output is a mismatch."""
+    import arrayattn
+    q, k, v = (rng.standard_normal((1, 2, 16, 8)) for _ in range(3))
+    out = arrayattn.get_variant("performer_positive")(q, k, v, seed=3)
+    for seed, code in ((np.array(3), 0), (np.array(3, dtype=np.uint8), 0),
+                       (np.array(4), 1)):
+        path = tmp_path / f"seed{seed.dtype}{int(seed)}.npz"
+        np.savez(path, q=q, k=k, v=v, out=out, seed=seed)
+        assert main(["validate", str(path), "--variant", "performer_positive"]) == code
+    assert "MATCH" in capsys.readouterr().out

@@ -119,7 +119,8 @@ def check_gamma(p: Problem, gamma, q):
             raise TypeError(f"gamma must hold real numbers; got {gamma!r}")
         host = host.astype(np.float64)
         check_decays(host, gamma)
-        return xp_from_host(xp, host, dtype=p.work_dtype, device=p.device)
+        out = xp_from_host(xp, host, dtype=p.work_dtype, device=p.device)
+        return xp.reshape(out, host.shape)     # one number stays 0-d (any q's batch)
     check_array("gamma", gamma)
     check_same_array_kind(xp, "q", q, "gamma", gamma)
     if not xp.isdtype(gamma.dtype, ("real floating", "integral")):
@@ -141,6 +142,17 @@ def log_gamma_gates(p: Problem, gamma, q):
     if g.ndim >= 3 and q.ndim >= 3 and g.shape[-3] not in (1, q.shape[-3]):
         raise ValueError(f"gamma has {g.shape[-3]} heads but q has {q.shape[-3]} "
                          f"(axis -3 of shape {tuple(q.shape)})")
+    lead = tuple(g.shape[:-2]) if g.ndim >= 2 else ()
+    try:
+        fits = np.broadcast_shapes(lead, tuple(p.batch)) == tuple(p.batch)
+    except ValueError:
+        fits = False
+    if not fits:   # e.g. a list of decays with a 2-D q, which has no heads axis
+        raise ValueError(f"gamma of shape {tuple(g.shape[:-2])} gives one decay per head "
+                         f"(its last axis is q's axis -3) and must broadcast to q's batch "
+                         f"{tuple(p.batch)}; q has shape {tuple(q.shape)}"
+                         + (" (no heads axis: pass one number as gamma)" if q.ndim < 3
+                            else ""))
     return p.xp.zeros((p.n, 1), dtype=p.work_dtype, device=p.device) + g
 
 

@@ -141,6 +141,10 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, key_mask=
         As in :func:`feature_attention`: end-aligned causality in three equal forms
         (``"chunked"`` default, ``"cumsum"``, ``"recurrent"``); masked keys leave
         numerator and denominator; ``eps`` only guards a zero denominator.
+        A query whose kernel values are all zero (``relu``: no positive coordinate, or
+        none shared with a visible key) has no normalised attention (``0 / 0``): its row
+        returns **zeros**, as a row with no visible key does -- not the mean of ``v``,
+        and never NaN.
     normalize : bool
         ``False``: the numerator alone, ``O_i = sum_j (phi_q(q_i) . phi_k(k_j)) v_j`` (fla's
         ``normalize=False``, its linear attention's default; with the identity map and

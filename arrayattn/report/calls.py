@@ -14,7 +14,8 @@ from ..core.xp import to_numpy
 from ..registry.variant import Variant
 from ..registry import attention_matrix, jit_uniform
 
-__all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "compiles", "timed",
+__all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape",
+           "compiles", "timed",
            "CPU_COMPILER_OPTIONS"]
 
 #: XLA options of the report's programs on a CPU: LLVM at XLA's backend optimisation
@@ -48,15 +49,23 @@ class Compiled:
             self.calls[rec.name] = Executables(call, self.options) if self.compiles else call
         return self.calls[rec.name]
 
-    def ahead(self, recs, inputs, workers: int = 2):
-        """Compile every variant of ``recs`` for every input triple of ``inputs`` before
-        anything is timed, ``workers`` programs at a time (XLA compiles outside Python's
-        lock, so one program traces while another compiles); the timed calls then find
-        them compiled (:class:`Executables`).  A variant that fails here fails again in its row,
-        where the error is reported."""
+    def ahead(self, recs, inputs, workers: int = 2, wide=()):
+        """Compile every variant of ``recs`` for every input triple of ``inputs``, and for
+        each ``v`` shape of ``wide`` (the one-call implied matrix's programs,
+        :func:`wide_v_shape`: ``(q, k, v shape)``, for the records linear in ``v``),
+        before anything is timed, ``workers`` programs at a time (XLA compiles outside
+        Python's lock, so one program traces while another compiles); the calls then
+        find them compiled (:class:`Executables`).  (Running each program here too, as a
+        warm-up, measured no faster: the runs contend with the compiles.)  A variant
+        that fails here fails again in its row, where the error is reported."""
         if not self.compiles:
             return
+        import jax
+
         jobs = [(self(rec), args) for rec in recs for args in inputs]
+        jobs += [(self(rec), (q, k, jax.ShapeDtypeStruct(shape, q.dtype)))
+                 for rec in recs if getattr(rec, "linear_in_v", True)
+                 for q, k, shape in wide]
 
         def compile_one(job):
             call, args = job
@@ -76,10 +85,20 @@ class Executables:
 
     def __init__(self, call: jit_uniform, options: dict):
         self.call, self.options, self.programs = call, dict(options), {}
+        #: the shapes whose program has run (:meth:`has_run`)
+        self.ran = set()
+
+    @staticmethod
+    def _key(q, k, v):
+        return tuple((tuple(x.shape), str(x.dtype)) for x in (q, k, v))
+
+    def has_run(self, q, k, v) -> bool:
+        """Whether the program for these shapes has run already (warm)."""
+        return self._key(q, k, v) in self.ran
 
     def compiled(self, q, k, v):
         """The executable for these shapes (compiled on first use)."""
-        key = tuple((tuple(x.shape), str(x.dtype)) for x in (q, k, v))
+        key = self._key(q, k, v)
         if key not in self.programs:
             lowered = self.call.lower(q, k, v)
             try:
@@ -92,47 +111,87 @@ class Executables:
         return self.programs[key]
 
     def __call__(self, q, k, v):
-        return self.compiled(q, k, v)(q, k, v, self.call.drawn(q))
+        out = self.compiled(q, k, v)(q, k, v, self.call.drawn(q))
+        self.ran.add(self._key(q, k, v))
+        return out
 
 
-def implied_matrix(be, call, hq, hk, v_shape, dtype, alike=None):
+def wide_v_shape(v_shape) -> tuple | None:
+    """The shape ``(..., s, s)`` of a ``v`` that carries the whole identity ``I_s`` in
+    every head slot, where ``v``'s own shape cannot carry every block of its ``dv``
+    columns twice (``slots < 2 ceil(s / dv)``); else ``None`` (the case's own program
+    reads the matrix in one call: :func:`implied_matrix`)."""
+    s, dv = v_shape[-2], v_shape[-1]
+    if math.prod(v_shape[:-2]) >= 2 * -(-s // dv):
+        return None
+    return (*v_shape[:-1], s)
+
+
+def implied_matrix(be, call, hq, hk, v_shape, dtype, alike=None, wide=False):
     """The first head's implied matrix ``(1, 1, n, s)`` from the host ``hq, hk``, and
     whether the variant's heads are alike (``None`` where that was not needed).
 
-    Where calls are compiled (JAX), through the variant's compiled call on ``v``'s shape
-    -- no program of another shape to compile: the first head's ``q, k`` in every head
-    slot, each slot carrying its own block of the identity's columns, so that one call
-    gives ``slots x dv`` columns.  A variant whose heads are not alike (per-head decays,
-    gates drawn per head) answers differently in its slots, and then each call gives slot
-    0's ``dv`` columns.  ``alike=None`` finds out with a first call that carries block 0
-    in every slot; pass what an earlier case found to save it.  Elsewhere one call on
-    ``I_s``."""
+    Where calls are compiled (JAX), through the variant's compiled call, the first head's
+    ``q, k`` in every head slot, the identity's columns in blocks of ``dv``:
+
+    * where ``v``'s shape carries every block twice (``slots >= 2 ceil(s / dv)``: the
+      ``real`` case, 36 heads), in **one call** of the case's own program: slot ``i``
+      carries block ``i mod blocks``, and the copies of a block agree where the
+      variant's heads are alike.  A variant whose heads are not alike (per-head decays,
+      gates drawn per head) answers differently in its slots; its slot 0 is the first
+      head's, and each further block takes one call;
+    * elsewhere (2 heads of ``dv = 64`` for ``s = 1024``), ``wide=True``: in one call of
+      a program whose ``v (..., s, s)`` carries the whole identity in every slot
+      (:func:`wide_v_shape`; one more program per variant and shape, compiled ahead:
+      dearer than the calls it saves on a CPU, ``docs/report.rst``); ``wide=False``
+      (the report's default), through the case's own program, ``slots x dv`` columns a
+      call -- a first call with block 0 in every slot finds out whether the heads are
+      alike (``alike=None``; pass what an earlier case found to save it) -- or ``dv``
+      columns a call where they are not.
+
+    Every form gives the column-block form's matrix (one call per block), to float32
+    rounding (``tests/report/test_report.py``).  Elsewhere one call on ``I_s``."""
     if not compiles(be):
         return on_host(attention_matrix(call, be.asarray(hq[:1, :1], dtype),
                                         be.asarray(hk[:1, :1], dtype))), None
     s, dv, n = v_shape[-2], v_shape[-1], hq.shape[-2]
     slots = math.prod(v_shape[:-2])
     q0, k0 = (be.asarray(np.broadcast_to(x[:1, :1], x.shape), dtype) for x in (hq, hk))
-    eye = np.eye(s)
+    if wide and wide_v_shape(v_shape) is not None:
+        eye = np.broadcast_to(np.eye(s), wide_v_shape(v_shape))
+        out = on_host(call(q0, k0, be.asarray(eye, dtype)))
+        return np.reshape(out, (slots, n, s))[0][None, None], alike
+    eye, starts = np.eye(s), list(range(0, s, dv))
 
-    def columns(starts):
+    def columns(layout):
         block = np.zeros((slots, s, dv))
-        for slot, j0 in enumerate(starts):
+        for slot, j0 in enumerate(layout):
             block[slot, :, :min(dv, s - j0)] = eye[:, j0:j0 + dv]
         out = call(q0, k0, be.asarray(np.reshape(block, v_shape), dtype))
         return np.reshape(on_host(out), (slots, n, dv))
 
-    cols, rest = {}, list(range(0, s, dv))
-    if alike is None:
-        first = columns([0] * slots)
-        alike = bool(np.allclose(first, first[:1], rtol=1e-4,
-                                 atol=1e-6 * np.abs(first[0]).max()))
-        cols, rest = {0: first[0]}, rest[1:]
+    def agree(out, copies):
+        tol = 1e-6 * np.abs(out[:len(copies)]).max()
+        return all(np.allclose(out[i], out[j], rtol=1e-4, atol=tol) for i, j in copies)
+
+    cols = {}
+    if alike is None:             # a first call finds out whether the heads are alike
+        if slots >= 2 * len(starts):      # every block, each twice or more: all in it
+            layout = [starts[i % len(starts)] for i in range(slots)]
+            copies = [(i, i % len(starts)) for i in range(len(starts), slots)]
+        else:                             # block 0 in every slot
+            layout, copies = [0] * slots, [(i, 0) for i in range(1, slots)]
+        first = columns(layout)
+        alike = agree(first, copies)
+        cols = {0: first[0]}
+        if alike and len(copies) >= len(starts):        # the cyclic layout: every block
+            cols = dict(zip(starts, first[:len(starts)]))
+    rest = [j0 for j0 in starts if j0 not in cols]
     step = slots if alike else 1
     for c0 in range(0, len(rest), step):
-        starts = rest[c0:c0 + step]
-        out = columns(starts + [0] * (slots - len(starts)) if alike else starts * slots)
-        cols.update({j0: out[slot] for slot, j0 in enumerate(starts)})
+        part = rest[c0:c0 + step]
+        out = columns(part + [0] * (slots - len(part)) if alike else part * slots)
+        cols.update({j0: out[slot] for slot, j0 in enumerate(part)})
     a = np.concatenate([cols[j0][:, :min(dv, s - j0)] for j0 in sorted(cols)], axis=-1)
     return a[None, None], alike
 
@@ -148,7 +207,11 @@ def compiles(be) -> bool:
 
 def timed(be, call, q, k, v, repeats):
     """Warm-up call (peak memory measured on it; on JAX it compiles ``call`` for these
-    shapes unless an earlier call did), then ``repeats`` timed calls.  ``call``: a
+    shapes unless an earlier call did), then ``repeats`` timed calls; the output is the
+    warm-up's.  No warm-up where the program ran already (:meth:`Executables.has_run`:
+    an earlier case of the same shapes ran it -- the ``sharp`` case after the
+    ``gaussian`` one) and nothing measures peak memory: the output is then the first
+    timed call's (the same program on the same inputs, the same numbers).  ``call``: a
     prepared call, or a registry record (prepared here)."""
     if isinstance(call, Variant):
         call = Compiled(be)(call)
@@ -159,21 +222,25 @@ def timed(be, call, q, k, v, repeats):
             tracemalloc.start()
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
-    be.reset_peak()
-    try:
-        out = call(q, k, v)
-        be.sync(out)
-    finally:
-        if traced:
-            peak = tracemalloc.get_traced_memory()[1] - base
-            if not was_tracing:
-                tracemalloc.stop()
-    if not traced:
-        peak = be.peak_bytes()
+    out = peak = None
+    if not (repeats > 0 and be.memory is None and not traced
+            and getattr(call, "has_run", lambda *a: False)(q, k, v)):
+        be.reset_peak()
+        try:
+            out = call(q, k, v)
+            be.sync(out)
+        finally:
+            if traced:
+                peak = tracemalloc.get_traced_memory()[1] - base
+                if not was_tracing:
+                    tracemalloc.stop()
+        if not traced:
+            peak = be.peak_bytes()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         res = call(q, k, v)
         be.sync(res)
         times.append(time.perf_counter() - t0)
+        out = res if out is None else out
     return out, times, peak

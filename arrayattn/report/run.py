@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import get_array_backend
-from .calls import Compiled, compiles, implied_matrix, on_host, timed
+from .calls import Compiled, compiles, implied_matrix, on_host, timed, wide_v_shape
 from .json_file import machine_info, rows_as_dicts, write_json
 from ..registry import get_variant, variants
 from .plot import plot_report
@@ -210,8 +210,15 @@ def _param_label(rec, value=None):
     return f"{rec.parameter}={value}"
 
 
-def run_report(w: Workload = Workload(), names=None, *, progress=None):
+def run_report(w: Workload = Workload(), names=None, *, progress=None,
+               one_call_matrix=False):
     """Run every registered variant (or ``names``) on the workload; a list of :class:`Row`.
+
+    ``one_call_matrix=True`` (JAX): the implied matrix of a case whose ``v`` cannot carry
+    the identity's column blocks twice in one call of its own program through one more
+    program per variant and shape, whose ``v`` is ``I_s`` (:func:`implied_matrix`): one
+    call a case, the same numbers to float32 rounding, but on a 2-core CPU its 30 more
+    compiles cost more than the calls they save (``docs/report.rst``), so it is off.
 
     A variant that raises on the workload gets a row with the error message instead of
     numbers; the report goes on.
@@ -224,7 +231,11 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
     shapes = {tuple(x.shape for x in host): host for host in hosts.values()}
     if compiles(be):
         prog.note(f"compiling {len(recs)} variant(s) x {len(shapes)} input shape(s) first")
-    compiled.ahead(recs, [[be.asarray(x, w.dtype) for x in host] for host in shapes.values()])
+    inputs = [[be.asarray(x, w.dtype) for x in host] for host in shapes.values()]
+    # one_call_matrix: the implied matrix's own programs, for the shapes that need one
+    wide = [(q, k, wide_v_shape(v.shape)) for q, k, v in inputs if one_call_matrix
+            and q.shape[-2] <= MATRIX_MAX_N and wide_v_shape(v.shape) is not None]
+    compiled.ahead(recs, inputs, wide=wide)
     rows = []
     for case in CASES:
         host = hosts[case]
@@ -257,7 +268,7 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None):
                 if exact_a is not None and getattr(rec, "linear_in_v", True):
                     a, compiled.alike[rec.name] = implied_matrix(
                         be, call, host[0], host[1], host[2].shape, w.dtype,
-                        compiled.alike.get(rec.name))
+                        compiled.alike.get(rec.name), wide=one_call_matrix)
                     row.matrix_error = float(np.abs(a - exact_a).sum(axis=-1).max())
             except Exception as exc:  # keep going: one broken variant must not hide the rest
                 row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]

@@ -107,8 +107,14 @@ def check_rotations(p: Problem, qk, rotations, num_hashes: int, num_buckets):
 def check_shared_k(q, k) -> None:
     """The ``k`` of a shared-QK variant's uniform call (``q`` is ``qk``; ``k`` is ignored)
     must have ``q``'s tokens and width: a ``k`` of another shape is a call meant for
-    another variant."""
+    another variant.  It must also be ``q``'s kind (library, device, dtype): a ``k`` that
+    the call would silently ignore is refused, as one of another shape is."""
     check_array("k", k)
+    check_same_array_kind(None, "q", q, "k", k)     # one library, one device
+    if k.dtype != q.dtype:
+        raise TypeError(f"lsh is shared-QK attention: the uniform call uses q as qk and "
+                        f"ignores k, so k must be q's kind; k has dtype {k.dtype} but q "
+                        f"has dtype {q.dtype}")
     if k.ndim < 2 or tuple(k.shape[-2:]) != tuple(q.shape[-2:]):   # (heads may group)
         raise ValueError(f"lsh is shared-QK attention: the uniform call uses q as qk and "
                          f"ignores k, so k must have q's tokens and width (..., "

@@ -66,6 +66,17 @@ BAD_CALLS = {
     "lsh uniform call with a k of another shape": (
         lambda x, q, k, v: arrayattn.get_variant("lsh")(x(q), x(k[..., :3, :]), x(v)),
         ValueError, "ignores k, so k must have q's tokens and width"),
+    "lsh uniform call with a k of another dtype (ignored before, issue #39)": (
+        lambda x, q, k, v: arrayattn.get_variant("lsh")(x(q), x(k.astype(np.float32)), x(v)),
+        TypeError, "k has dtype"),
+    "retention list of gammas with a 2-D q (named gamma, issue #39)": (
+        lambda x, q, k, v: arrayattn.retention(x(q[0, 0]), x(k[0, 0]), x(v[0, 0]),
+                                              gamma=[0.9, 0.8]),
+        ValueError, "gamma of shape (2,)"),
+    "retention one-element list of gammas with a 2-D q": (
+        lambda x, q, k, v: arrayattn.retention(x(q[0, 0]), x(k[0, 0]), x(v[0, 0]),
+                                              gamma=[0.9]),
+        ValueError, "no heads axis: pass one number as gamma"),
     "lsh uniform call names q": (
         lambda x, q, k, v: arrayattn.get_variant("lsh")(x(q[..., :5, :]), x(q), x(v)),
         ValueError, "q has"),
@@ -78,6 +89,25 @@ def test_bad_calls_raise_clear_errors(case, backend, rng):
     q, k, v = _gated_inputs(rng)
     with pytest.raises(error, match=__import__("re").escape(words)):
         call(backend.asarray, q, k, v)
+
+
+def test_lsh_uniform_call_refuses_a_k_of_another_library(backend, rng):
+    """``k`` is ignored by the shared-QK call, so a ``k`` of another library (or dtype)
+    is a call meant for another variant: refused, naming k (issue #39 point 7)."""
+    q, k, v = _gated_inputs(rng)
+    strict = pytest.importorskip("array_api_strict")
+    other = np.asarray(k) if "strict" in backend.name else strict.asarray(k)
+    with pytest.raises(TypeError, match=r"\bk is\b"):
+        arrayattn.get_variant("lsh")(backend.asarray(q), other, backend.asarray(v))
+
+
+def test_retention_one_gamma_with_a_2d_q_is_the_3d_result(rng):
+    """A scalar ``gamma`` works for a ``q`` without a heads axis (it failed in a
+    broadcast before) and equals the one-head call."""
+    q, k, v = (x[0, 0] for x in _gated_inputs(rng))
+    np.testing.assert_allclose(arrayattn.retention(q, k, v, gamma=0.9),
+                               arrayattn.retention(q[None], k[None], v[None],
+                                                   gamma=[0.9])[0], rtol=1e-12, atol=0)
 
 
 def test_retention_gamma_array_is_checked_like_a_list(rng):

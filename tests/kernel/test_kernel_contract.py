@@ -59,6 +59,32 @@ def test_no_keys_gives_zeros(backend, name):
         assert not np.asarray(backend.to_numpy(out)).any()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_relu_query_with_all_zero_kernel_values_returns_zeros(backend, causal, rng):
+    """The relu map, a query with no positive coordinate: every kernel value is 0 and the
+    normalised output is 0 / 0.  It returns zeros (documented in linear_attention's
+    docstring and docs/variants/kernel.rst), not the mean of v and not NaN; the other rows
+    are untouched; its implied attention row is all zeros (row sum 0, not 1)."""
+    from arrayattn import attention_matrix, linear_attention
+    q, k, v = (rng.standard_normal((2, 6, 4)) for _ in range(3))
+    q = np.abs(q)
+    q[:, 2] = -q[:, 2]                         # query 2 alone: no positive coordinate
+    k = np.abs(k)                              # every key has positive features
+    on = backend.asarray
+    out = backend.to_numpy(linear_attention(on(q), on(k), on(v), feature_map="relu",
+                                            causal=causal))
+    np.testing.assert_array_equal(out[:, 2], 0.0)
+    assert np.isfinite(out).all()
+    mean_v = v[:, :3].mean(axis=-2) if causal else v.mean(axis=-2)
+    assert not np.allclose(out[:, 2], mean_v)
+    others = [0, 1, 3, 4, 5]
+    want = linear_attention(q, k, v, feature_map="relu", causal=causal)
+    np.testing.assert_allclose(out[:, others], want[:, others], rtol=1e-12, atol=1e-12)
+    a = attention_matrix("linear_relu", q, k, causal=causal)
+    np.testing.assert_array_equal(a[:, 2], 0.0)
+    np.testing.assert_allclose(np.delete(a, 2, axis=1).sum(axis=-1), 1.0, rtol=1e-12)
+
+
 @pytest.mark.parametrize("name", FAMILY)
 def test_flags_are_bools(name):
     rec = _record(name)

@@ -311,30 +311,125 @@ def test_verdicts_rank_and_conclude():
     assert "verdict" in table.splitlines()[0] and table.rstrip().endswith(line.rstrip())
 
 
-@pytest.mark.parametrize("name", ["softmax", "local", "retention", "gla", "lsh"])
-def test_compiled_implied_matrix_is_the_first_heads(name):
-    """On JAX the implied matrix is read through the variant's compiled call: the first
-    head's q, k in every head slot, each with its own identity columns -- or, for a
-    variant whose heads differ (retention's per-head decays, gla's gates drawn per head),
-    one block per call.  Either way it is the first head's matrix, as on NumPy."""
+class _Counting:
+    """A prepared call that counts its calls."""
+
+    def __init__(self, call):
+        self.call, self.calls = call, 0
+
+    def __call__(self, q, k, v):
+        self.calls += 1
+        return self.call(q, k, v)
+
+
+def _column_blocks(be, call, hq, hk, v_shape, dtype):
+    """The implied matrix the way the report read it before issue #39: one call per block
+    of ``dv`` of the identity's columns (the block in every head slot), slot 0 read."""
+    from arrayattn.report.calls import on_host
+    s, dv, n = v_shape[-2], v_shape[-1], hq.shape[-2]
+    slots = int(np.prod(v_shape[:-2]))
+    q0, k0 = (be.asarray(np.broadcast_to(x[:1, :1], x.shape), dtype) for x in (hq, hk))
+    cols = []
+    for j0 in range(0, s, dv):
+        block = np.zeros((slots, s, dv))
+        block[:, :, :min(dv, s - j0)] = np.eye(s)[:, j0:j0 + dv]
+        out = on_host(call(q0, k0, be.asarray(np.reshape(block, v_shape), dtype)))
+        cols.append(np.reshape(out, (slots, n, dv))[0][:, :min(dv, s - j0)])
+    return np.concatenate(cols, axis=-1)
+
+
+#: (q shape, v shape): 3 heads cannot carry 7 blocks of 6 columns twice -> with
+#: wide=True the program whose v carries the whole identity, else block by block
+#: ("blocks"); 12 heads carry 4 blocks of 6 three times -> the case's own program.
+MATRIX_SHAPES = {"wide": ((1, 3, 40, 8), (1, 3, 40, 6)),
+                 "blocks": ((1, 3, 40, 8), (1, 3, 40, 6)),
+                 "slots": ((1, 12, 24, 8), (1, 12, 24, 6))}
+
+
+@pytest.mark.parametrize("path", list(MATRIX_SHAPES))
+@pytest.mark.parametrize("name", ["softmax", "local", "retention", "gla", "lsh",
+                                  "linear_taylor", "nystrom_svd"])
+def test_compiled_implied_matrix_in_one_call(name, path):
+    """On JAX the implied matrix of the first head comes from one call of the compiled
+    variant per case (issue #39 point 5) where the case's own program carries every
+    block of the identity's columns twice (the report's real case), or with wide=True
+    (a program whose v is I_s): the identity's columns all in that call.  Otherwise (the
+    report's default for 2 heads) the column blocks, slots x dv columns a call after a
+    first call that compares the slots.  Every form equals, to float32 rounding, the
+    column-block form (one call per block of dv columns), and NumPy's float64 matrix to
+    1e-4.  The exception, stated: read through the case's own program, a variant whose
+    heads differ (retention's per-head decays, gla's gates drawn per head) takes one call
+    per block."""
     pytest.importorskip("jax")
     from arrayattn.report.backends import get_array_backend
-    from arrayattn.report.calls import Compiled, implied_matrix
+    from arrayattn.report.calls import Compiled, implied_matrix, wide_v_shape
     rec = arrayattn.get_variant(name)
+    q_shape, v_shape = MATRIX_SHAPES[path]
+    assert (wide_v_shape(v_shape) is None) == (path == "slots")
     rng = np.random.default_rng(0)
-    hq, hk = (rng.standard_normal((1, 3, 40, 8)) for _ in range(2))
-    v_shape = (1, 3, 40, 6)          # 40 columns in blocks of 6: the last one partial
-    want, _ = implied_matrix(get_array_backend("numpy", "float64"), rec, hq, hk, v_shape,
+    hq, hk = (rng.standard_normal(q_shape) for _ in range(2))
+    opts = {"num_landmarks": 8} if name == "nystrom_svd" else {}
+    want, _ = implied_matrix(get_array_backend("numpy", "float64"),
+                             lambda q, k, v: rec(q, k, v, **opts), hq, hk, v_shape,
                              "float64")
     be = get_array_backend("jax", "float32")
-    call = Compiled(be)(rec)
-    got, alike = implied_matrix(be, call, hq, hk, v_shape, "float32")
-    assert alike == (name not in ("retention", "gla"))
-    assert got.shape == want.shape == (1, 1, 40, 40)
+    prepared = Compiled(be)(rec) if not opts else be.compile(
+        lambda q, k, v: rec(q, k, v, **opts))
+    call = _Counting(prepared)
+    wide = path == "wide"
+    got, alike = implied_matrix(be, call, hq, hk, v_shape, "float32", wide=wide)
+    s, dv = v_shape[-2], v_shape[-1]
+    blocks = -(-s // dv)
+    slots = int(np.prod(v_shape[:-2]))
+    differ = name in ("retention", "gla")
+    if wide:
+        assert alike is None and call.calls == 1
+    elif path == "slots":
+        assert alike == (not differ)
+        assert call.calls == (blocks if differ else 1)
+    else:
+        assert alike == (not differ)
+        assert call.calls == (blocks if differ else 1 + -(-(blocks - 1) // slots))
+    assert got.shape == want.shape == (1, 1, s, s)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
-    # told what the heads are (as a later case is), without the first call: the same
-    again, _ = implied_matrix(be, call, hq, hk, v_shape, "float32", alike)
+    by_block = _column_blocks(be, prepared, hq, hk, v_shape, "float32")
+    eps = np.finfo(np.float32).eps
+    assert np.abs(got[0, 0] - by_block).max() <= 64 * eps * np.abs(by_block).max()
+    # told what the heads are (as a later case is): the same matrix, no first call
+    call.calls = 0
+    again, _ = implied_matrix(be, call, hq, hk, v_shape, "float32", alike, wide=wide)
     np.testing.assert_array_equal(again, got)
+    assert call.calls == (1 if wide else blocks if differ else -(-blocks // slots))
+
+
+def test_timed_makes_no_warm_up_call_where_the_program_ran_already():
+    """On JAX a program that has run already -- in an earlier case of the same shapes,
+    the sharp case after the gaussian one -- is warm, so ``timed`` makes only the
+    ``repeats`` timed calls and returns the first one's output (the same program on the
+    same inputs: the warm-up's numbers; issue #39 point 5); a program compiled ahead but
+    not run yet gets its warm-up call."""
+    pytest.importorskip("jax")
+    from arrayattn.report.backends import get_array_backend
+    from arrayattn.report.calls import Compiled, timed
+    be = get_array_backend("jax", "float32")
+    rng = np.random.default_rng(0)
+    args = [be.asarray(rng.standard_normal((1, 2, 32, 8)), "float32") for _ in range(3)]
+    other = [be.asarray(rng.standard_normal((1, 2, 32, 8)), "float32") for _ in range(3)]
+    compiled = Compiled(be)
+    compiled.ahead([arrayattn.get_variant("gla")], [args])
+    call = compiled(arrayattn.get_variant("gla"))
+    assert not call.has_run(*args)
+    counting = _Counting(call)
+    counting.has_run = call.has_run
+    first, times, peak = timed(be, counting, *args, 3)        # the gaussian case
+    assert counting.calls == 4 and len(times) == 3 and peak is None
+    assert call.has_run(*other)                                # same shapes: warm
+    counting.calls = 0
+    out, times, _ = timed(be, counting, *other, 3)             # the sharp case
+    assert counting.calls == 3 and len(times) == 3
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(call(*other)))
+    again, _, _ = timed(be, counting, *args, 3)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
 
 
 def test_compiled_ahead_once_per_shape():
