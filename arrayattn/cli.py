@@ -280,7 +280,7 @@ def _validate(args) -> int:
 
 def _check_writable(label: str, path: str) -> None:
     from .testing.check.command import check_writable
-    check_writable(label, path)
+    check_writable(label, path, opener=open)     # this module's open (tests replace it)
 
 
 def _report(args) -> int:

@@ -28,7 +28,7 @@ from .tiles import (PER_BLOCK, PER_KEY, blocked, host_indices, mask_from, mask_t
                     tile_bias_at, tile_mask)
 
 __all__ = ["block_sparse_attention", "scanned_group", "plan_work", "Gathered", "gathered",
-           "cut_chunks", "spans", "in_block_order", "unblock"]
+           "cut_chunks", "spans", "in_block_order", "unblock", "engine_tile"]
 
 #: Key blocks of a short row -- a window's -- that a chunk attends at once.  A longer row
 #: (strided, fixed, a global token's: rows that reach more blocks as ``n`` grows) is

@@ -14,7 +14,8 @@ from .problem import floating_dtype, prepare, to_bhnd
 from . import rounding
 from .rounding import HALF_JITTER_SCALE, JITTER_SCALE, sensitivity
 
-__all__ = ["compare_to_reference", "assert_matches_reference", "compare_lse"]
+__all__ = ["compare_to_reference", "assert_matches_reference", "compare_lse", "RULES", "HALF",
+           "choose_rule", "covers", "jitter_scale", "rule_factor"]
 
 
 def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,

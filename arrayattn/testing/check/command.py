@@ -11,10 +11,10 @@ import sys
 __all__ = ["add_parser", "run_check", "check_writable", "load_kernel"]
 
 
-def check_writable(label: str, path: str) -> None:
+def check_writable(label: str, path: str, opener=open) -> None:
     """ValueError unless ``path`` can be written (checked before a run that may take
-    minutes): not a directory, its directory exists, and opening it for appending works
-    (a file created by the check is removed again)."""
+    minutes): not a directory, its directory exists, and opening it (``opener``) for
+    appending works (a file created by the check is removed again)."""
     if os.path.isdir(path):
         raise ValueError(f"{label} {path} is a directory; give a file name")
     parent = os.path.dirname(os.path.abspath(path))
@@ -22,7 +22,7 @@ def check_writable(label: str, path: str) -> None:
         raise ValueError(f"{label} {path}: the directory {parent} does not exist")
     existed = os.path.lexists(path)
     try:
-        with open(path, "a"):
+        with opener(path, "a"):
             pass
     except OSError as exc:
         raise ValueError(f"{label} {path}: cannot write there ({exc.strerror or exc}); "

@@ -8,7 +8,7 @@ import numpy as np
 from ..measures import host64
 from .conventions.base import host
 
-__all__ = ["repro_arrays", "write_repro", "validate_command"]
+__all__ = ["repro_arrays", "write_repro", "validate_command", "judged_as"]
 
 
 def _scalar(value):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from .cases import HALF, Case, case_strategy, catalogue, smaller
 from .judge import Verdict, judge
 
-__all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis"]
+__all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes"]
 
 
 class OutOfTime(Exception):

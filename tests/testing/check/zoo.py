@@ -187,10 +187,10 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
 
 
 def _attend_bias(q, k, v, bias, scale, vis):
-    s = q[..., :-1].float() @ k.float().transpose(-1, -2) * scale + bias.float()
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:
         raise NotImplementedError("float attn_mask with GQA")
+    s = q[..., :-1].float() @ k.float().transpose(-1, -2) * scale + bias.float()
     return torch.softmax(s.masked_fill(~vis, NEG), -1).nan_to_num(0.0).to(v.dtype) @ v
 
 

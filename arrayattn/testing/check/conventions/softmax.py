@@ -120,9 +120,16 @@ class FlexAttention(Convention):
         from torch.nn.attention.flex_attention import create_block_mask
 
         mods, o = t["mods"], case.opts
+
+        def mask_mod(b, h, i, j):        # a function, not a bound method (torch checks)
+            return mods.mask_mod(b, h, i, j)
+
+        def score_mod(score, b, h, i, j):
+            return mods.score_mod(score, b, h, i, j)
+
         block = None if not mods.mask_kind else create_block_mask(
-            mods.mask_mod, None, None, case.n, case.s, device=self.device)
-        res = fn(t["q"], t["k"], t["v"], score_mod=mods.score_mod if mods.score_kind else None,
+            mask_mod, None, None, case.n, case.s, device=self.device)
+        res = fn(t["q"], t["k"], t["v"], score_mod=score_mod if mods.score_kind else None,
                  block_mask=block, scale=o.get("scale"), enable_gqa=case.hq != case.hkv,
                  return_lse=bool(o.get("return_lse")))
         if o.get("return_lse"):
