@@ -39,10 +39,19 @@ def main() -> int:
                     f"{res.failure.case.describe() if res.failure else ''} |")
         print(rows[-1], flush=True)
     clean = []
-    for conv, fn in CLEAN.items():
+    kernels = dict(CLEAN)
+    try:    # the real kernels too: torch's SDPA and flex_attention (eager, CPU)
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+        kernels["sdpa (torch's own)"] = torch.nn.functional.scaled_dot_product_attention
+        kernels["flex_attention (torch's own)"] = flex_attention
+    except ImportError:
+        pass
+    for label, fn in kernels.items():
+        conv = label.split(" ")[0]
         for seed in range(args.seeds):
             res = check_kernel(fn, conv, budget=args.clean_budget, seed=seed)
-            clean.append(f"| {conv} | {seed} | {res.cases} | {'ok' if res.ok else 'FLAGGED'} "
+            clean.append(f"| {label} | {seed} | {res.cases} | {'ok' if res.ok else 'FLAGGED'} "
                          f"| {res.worst_ratio:.3g} |")
             print(clean[-1], flush=True)
     med = statistics.median(found)

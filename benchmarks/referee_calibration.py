@@ -169,8 +169,8 @@ def write(rows, out: str, seeds: int):
         json.dump(rows, f, indent=1)
     lines = [f"# Referee calibration: plain float32 evaluations, {seeds} seeds per case", "",
              "Ratio = max over seeds and heads of error / tolerance (above 1: a false "
-             "finding); `caught from` = 1 / ratio, the smallest factor on that evaluation's "
-             "error that the referee catches in every seed.", "",
+             "finding); `caught from` = 1 / ratio, the factor on that evaluation's error "
+             "from which the referee catches it (in the seed where it is largest).", "",
              "| shape (b, h, n, s, d) | q, k sd | causal | output | implementation | max "
              "ratio | caught from |", "|---|---|---|---|---|---|---|"]
     for r in rows:
