@@ -7,9 +7,10 @@ import numpy as np
 from ..core.xp import to_numpy
 from .assertions import check_tolerance
 from .comparison import Comparison
-from .measures import (EPS, Nudge, cast_floating, derived_tolerance, dtype_name,
+from .measures import (EPS, Nudge, cast_floating, derived_tolerance, dtype_name, error_of,
                        head_errors, host64, is_array, own_head_error, round_to)
-from .outputs import HALF, RULES, choose_rule, covers, jitter_scale, rule_factor
+from .outputs import (HALF, RULES, choose_rule, covers, jitter_scale, rule_factor,
+                      shift_rounding)
 from .problem import prepare, to_bhnd
 from . import rounding
 from .rounding import JITTER_SCALE, sensitivity
@@ -127,7 +128,8 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
                                                     layout, profile)
     ref = _vjp(rec, args, options, "float64", how=how)
     _check_shapes(rec.name, theirs, ref)
-    errors = {name: head_errors(np.abs(g - ref[name]), ref[name]) for name, g in theirs.items()}
+    errors = {name: head_errors(error_of(g, ref[name], dtype_name(grads[name])), ref[name])
+              for name, g in theirs.items()}
 
     def covered(own: dict) -> bool:
         return all(covers(errors[name], dtype_name(grads[name]), rtol, atol, rule_factor(
@@ -184,7 +186,8 @@ def _host_problem(grads, variant, q, k, v, do, params, layout, profile):
     if heads and problem.k.ndim >= 3 and problem.k.shape[-3] != heads:
         groups = problem.k.shape[-3] // heads
     return (get_variant(problem.name), args, problem.options, theirs,
-            {"groups": groups, "convert": problem.convert})
+            {"groups": groups, "convert": problem.convert,
+             "shift": problem.lse_shift if problem.name == "softmax" else None})
 
 
 def _vjp(rec, args: dict, options: dict, dtype: str, nudge=None, *, how=None,
@@ -255,7 +258,9 @@ def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str, half, ref:
 
     def jittered(j):
         perturbed = dict(args, do=row(args["do"], j.rng)) if row is not None else args
-        return _vjp(rec, perturbed, options, "float64", j, how=how)
+        opts = options if how.get("shift") is None else shift_rounding(
+            options, args["q"].shape, args["k"].shape[-2], how["shift"], j)
+        return _vjp(rec, perturbed, opts, "float64", j, how=how)
 
     jitter = sensitivity(jittered, ref, eps, scale=jitter_scale(rule))
     return {name: np.maximum(res[name], jitter[name]) for name in ref}

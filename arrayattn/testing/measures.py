@@ -8,7 +8,7 @@ from ..core.xp import to_numpy
 
 __all__ = ["EPS", "TOLERANCE_FACTOR", "dtype_name", "is_array", "host64", "working_dtype",
            "cast_floating", "Nudge", "HeadErrors", "head_errors", "own_head_error",
-           "derived_tolerance", "round_to"]
+           "derived_tolerance", "round_to", "error_of"]
 
 #: Machine epsilon of the floating dtypes an external output may have.
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23,
@@ -75,6 +75,19 @@ class HeadErrors:
 
 def _blocks(a: np.ndarray, count: int) -> np.ndarray:
     return np.asarray(a).reshape(count, -1)
+
+
+def error_of(theirs: np.ndarray, ref: np.ndarray, dtype: str) -> np.ndarray:
+    """``|theirs - ref|``, 0 where the reference overflows ``dtype`` and ``theirs`` is the
+    infinity of the same sign it rounds to (a float16 gradient past 65504 can only be
+    inf)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(theirs - ref)
+        if dtype in EPS and dtype != "float64":
+            rounded = round_to(ref, dtype)
+            same_inf = np.isinf(rounded) & np.isfinite(ref) & (theirs == rounded)
+            err = np.where(same_inf, 0.0, err)
+    return err
 
 
 def head_errors(err: np.ndarray, ref: np.ndarray, event: int = 2) -> HeadErrors:

@@ -8,14 +8,14 @@ import numpy as np
 
 from .assertions import check_tolerance
 from .comparison import Comparison
-from .measures import (EPS, TOLERANCE_FACTOR, Nudge, derived_tolerance, dtype_name,
+from .measures import (EPS, TOLERANCE_FACTOR, Nudge, derived_tolerance, dtype_name, error_of,
                        head_errors, host64, own_head_error, round_to, working_dtype)
 from .problem import floating_dtype, prepare, to_bhnd
 from . import rounding
 from .rounding import HALF_JITTER_SCALE, JITTER_SCALE, sensitivity
 
 __all__ = ["compare_to_reference", "assert_matches_reference", "compare_lse", "RULES", "HALF",
-           "choose_rule", "covers", "jitter_scale", "rule_factor"]
+           "choose_rule", "covers", "jitter_scale", "rule_factor", "shift_rounding"]
 
 
 def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
@@ -132,7 +132,7 @@ def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layou
     problem = prepare(variant, q, k, v, layout=layout, profile=profile, params=params)
     theirs = to_bhnd({"out": host64(out)}, problem.layout, ("out",))["out"]
     ref = _reference_output(problem, theirs)
-    errors = head_errors(np.abs(theirs - ref), ref)
+    errors = head_errors(error_of(theirs, ref, dtype), ref)
     own, notes = _baseline(problem, ref, dtype, len(errors.heads), rule=rule, half=half,
                            covered=covers(errors, dtype, rtol, atol, rule_factor(rule, factor)))
     notes += _upcast_note(dtype, (q, k, v))
@@ -230,16 +230,22 @@ def _convention(problem, jitter, eps: float):
     larger than the reference's by a per-row shift (FlashAttention's causal ALiBi,
     ``+slope j``: :attr:`Problem.lse_shift`), the rounding of those larger logits as a
     random bias of ``c u |shift|`` on every logit of the row."""
-    shift = problem.lse_shift
-    if shift is None or problem.name != "softmax":
+    if problem.lse_shift is None or problem.name != "softmax":
         return problem
-    n, s = problem.q.shape[-2], problem.k.shape[-2]
+    return replace(problem, options=shift_rounding(problem.options, problem.q.shape,
+                                                   problem.k.shape[-2], problem.lse_shift,
+                                                   jitter))
+
+
+def shift_rounding(options: dict, q_shape, s: int, shift, jitter) -> dict:
+    """``options`` with the rounding of logits larger by ``shift (..., n)`` per row added
+    to the bias: ``c u |shift_i|`` with random signs on each logit ``(i, j)``."""
+    n = q_shape[-2]
     size = jitter.u * np.abs(np.asarray(shift, dtype=np.float64))[..., None]
     noise = size * jitter.rng.choice([-1.0, 1.0], size=np.broadcast_shapes(
-        size.shape[:-2] + (n, s), problem.q.shape[:-2] + (n, s)))
-    bias = problem.options.get("bias")
-    options = dict(problem.options, bias=noise if bias is None else bias + noise)
-    return replace(problem, options=options)
+        size.shape[:-2] + (n, s), tuple(q_shape[:-2]) + (n, s)))
+    bias = options.get("bias")
+    return dict(options, bias=noise if bias is None else bias + noise)
 
 
 def _upcast_note(dtype: str, inputs) -> list:

@@ -103,7 +103,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         v = _DvBug.apply(v)
     left = window_size[0]
     out, lse = _attend(q, k, v, scale=scale, vis=vis, softcap=softcap, alibi=alibi_slopes,
-                       bug=bug, offset=s - n, causal_alibi=bool(causal) and (
+                       bug=bug, offset=s - n, causal_alibi=(  # mha_fwd's is_causal test
+                           bool(causal) or window_size[1] == 0) and (
                            left is None or left < 0 or left >= s))
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out

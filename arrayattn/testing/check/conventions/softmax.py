@@ -153,6 +153,8 @@ class JaxDotProductAttention(Convention):
 
     def normalize(self, case):
         o = case.opts
+        if case.dv != case.d:          # jax.nn.dot_product_attention takes one head dim
+            case = replace(case, dv=case.d)
         if o.get("local_window_size") and case.n > case.s:
             case = replace(case, n=case.s)
         if o.get("local_window_size") or o.get("is_causal"):
