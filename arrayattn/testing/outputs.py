@@ -230,10 +230,12 @@ def _convention(problem, jitter, eps: float):
     larger than the reference's by a per-row shift (FlashAttention's causal ALiBi,
     ``+slope j``: :attr:`Problem.lse_shift`), the rounding of those larger logits as a
     random bias of ``c u |shift|`` on every logit of the row."""
-    if problem.lse_shift is None or problem.name != "softmax":
+    if problem.lse_shift is None or problem.name not in ("softmax", "paged_attention"):
         return problem
-    return replace(problem, options=shift_rounding(problem.options, problem.q.shape,
-                                                   problem.k.shape[-2], problem.lse_shift,
+    o = problem.options
+    s = (o["block_table"].shape[-1] * problem.k.shape[1] if problem.name == "paged_attention"
+         else problem.k.shape[-2])         # a paged cache's keys: its capacity
+    return replace(problem, options=shift_rounding(o, problem.q.shape, s, problem.lse_shift,
                                                    jitter))
 
 

@@ -91,8 +91,9 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, bug=None):
-    """flash_attn_func's signature, (b, n, h, d)."""
+                    return_attn_probs=False, *, bug=None, seqlen_k=None):
+    """flash_attn_func's signature, (b, n, h, d); ``seqlen_k``: the key length mha_fwd
+    tests a window against (varlen: max_seqlen_k; paged: the cache's capacity)."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     n, s, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = softmax_scale or (v.shape[-1] if bug == "sqrt_dv" else d) ** -0.5
@@ -105,7 +106,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     out, lse = _attend(q, k, v, scale=scale, vis=vis, softcap=softcap, alibi=alibi_slopes,
                        bug=bug, offset=s - n, causal_alibi=(  # mha_fwd's is_causal test
                            bool(causal) or window_size[1] == 0) and (
-                           left is None or left < 0 or left >= s))
+                           left is None or left < 0 or left >= (seqlen_k or s)))
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out
 
@@ -137,7 +138,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         o, lse, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                                     softmax_scale=softmax_scale, causal=causal,
                                     window_size=window_size, softcap=softcap, alibi_slopes=sl,
-                                    return_attn_probs=True)
+                                    return_attn_probs=True, seqlen_k=int(max_seqlen_k))
         outs.append(o[0])
         lses.append(lse[0])
     out, lse = torch.cat(outs), torch.cat(lses, dim=-1)
@@ -160,7 +161,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table
                                                 else alibi_slopes[b:b + 1])
         o, lse, _ = flash_attn_func(q[b:b + 1], k[None], v[None], softmax_scale=softmax_scale,
                                     causal=causal, window_size=window_size, softcap=softcap,
-                                    alibi_slopes=sl, return_attn_probs=True)
+                                    alibi_slopes=sl, return_attn_probs=True,
+                                    seqlen_k=block_table.shape[1] * page)
         outs.append(o)
         lses.append(lse)
     out, lse = torch.cat(outs), torch.cat(lses)
