@@ -14,6 +14,15 @@ __all__ = ["EPS", "TOLERANCE_FACTOR", "dtype_name", "is_array", "host64", "worki
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23,
        "float64": 2.0 ** -52}
 
+#: The smallest subnormal of each dtype: below the normal range a result is quantised in
+#: these absolute steps, whatever its size.
+TINY = {"float16": 2.0 ** -24, "bfloat16": 2.0 ** -133, "float32": 2.0 ** -149,
+        "float64": 2.0 ** -1074}
+#: Subnormal steps a plain evaluation may lose near underflow: the result's own rounding
+#: and that of the few products and sums rounded before it (gates' exp(g) of very
+#: negative g, tiny inputs in float16).
+TINY_STEPS = 4
+
 #: Safety factor between arrayattn's own rounding error and the tolerance (see
 #: :func:`arrayattn.testing.compare_to_reference`).
 TOLERANCE_FACTOR = 8.0
@@ -121,11 +130,14 @@ def own_head_error(own: np.ndarray, ref: np.ndarray, count: int) -> tuple[np.nda
 
 def derived_tolerance(errors: HeadErrors, own_error: np.ndarray, dtype: str, *, rtol, atol,
                       factor: float = TOLERANCE_FACTOR) -> np.ndarray:
-    r"""Per head ``factor * max(e_h, eps_dtype |R_h|_inf) + atol`` (``rtol`` given:
-    ``rtol |R_h|_inf + atol``), the rule of :func:`arrayattn.testing.compare_to_reference`."""
+    r"""Per head ``factor * max(e_h, eps_dtype |R_h|_inf, 4 tiny_dtype) + atol`` (``rtol``
+    given: ``rtol |R_h|_inf + atol``), the rule of
+    :func:`arrayattn.testing.compare_to_reference`; ``tiny`` the dtype's smallest subnormal
+    (:data:`TINY`: results near underflow are quantised in absolute steps)."""
     if rtol is not None:
         return rtol * errors.scale + atol
-    return factor * np.maximum(own_error, errors.scale * EPS[dtype]) + atol
+    floor = np.maximum(errors.scale * EPS[dtype], TINY_STEPS * TINY[dtype])
+    return factor * np.maximum(own_error, floor) + atol
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:

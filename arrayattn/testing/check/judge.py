@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import grads as _grads
 from .. import outputs as _outputs
-from ..measures import (Nudge, cast_floating, derived_tolerance, dtype_name, head_errors,
+from ..rounding import sensitivity
+from ..measures import (EPS, Nudge, cast_floating, derived_tolerance, dtype_name, head_errors,
                         host64, own_head_error, working_dtype)
 from ..comparison import Comparison
 from ..problem import prepare
@@ -112,8 +113,9 @@ def compare_state(theirs: np.ndarray, variant: str, x: dict, options: dict) -> C
 def _state_comparison(rec, theirs, x, options, dtype) -> Comparison:
     args = {k: x[k] for k in ("q", "k", "v")}
 
-    def state(work, nudge=None):
-        a, o = cast_floating(args, work, nudge), cast_floating(options, work)
+    def state(work, nudge=None, options_too=False):
+        a = cast_floating(args, work, nudge)
+        o = cast_floating(options, work, nudge if options_too else None)
         res = rec.reference(a["q"], a["k"], a["v"], return_state=True, **o)[1]
         return np.asarray(res, dtype=np.float64)
 
@@ -124,6 +126,9 @@ def _state_comparison(rec, theirs, x, options, dtype) -> Comparison:
     errors = head_errors(np.abs(theirs - ref), ref)
     work = working_dtype(dtype)
     own, _ = own_head_error(state(work, Nudge(work)), ref, len(errors.heads))
+    # the response to rounding, as for outputs (arrayattn.testing.rounding)
+    jitter = sensitivity(lambda j: state("float64", j, options_too=True), ref, EPS[work])
+    own = np.maximum(own, own_head_error(ref + jitter, ref, len(errors.heads))[0])
     tol = derived_tolerance(errors, own, dtype, rtol=None, atol=0.0)
     return Comparison.of(f"{rec.name} final_state", dtype, errors, tol, own)
 

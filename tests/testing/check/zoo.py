@@ -229,7 +229,9 @@ def fla_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False
 
 def fla_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, *,
                    bug=None):
-    return fla_gla(q, k, v, g[..., None].expand_as(q), scale, initial_state,
+    # expanded in float32: dg sums its K components there and rounds once (expanding the
+    # float16 g would round each component's gradient to float16 first: inf at 30x inputs)
+    return fla_gla(q, k, v, g.float()[..., None].expand(q.shape), scale, initial_state,
                    output_final_state, bug=bug)
 
 
