@@ -9,11 +9,10 @@ from .assertions import check_tolerance
 from .comparison import Comparison
 from .measures import (EPS, Nudge, cast_floating, derived_tolerance, dtype_name, error_of,
                        head_errors, host64, is_array, own_head_error, round_to)
-from .outputs import (HALF, RULES, choose_rule, covers, jitter_scale, rule_factor,
-                      shift_rounding)
+from .outputs import HALF, RULES, choose_rule, covers, jitter_scale, rule_factor
 from .problem import prepare, to_bhnd
 from . import rounding
-from .rounding import JITTER_SCALE, sensitivity
+from .rounding import JITTER_SCALE, logit_rounding, sensitivity
 
 __all__ = ["compare_grads", "assert_grads_match", "round_to", "GradComparison", "RULES"]
 
@@ -258,8 +257,8 @@ def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str, half, ref:
 
     def jittered(j):
         perturbed = dict(args, do=row(args["do"], j.rng)) if row is not None else args
-        opts = options if how.get("shift") is None else shift_rounding(
-            options, args["q"].shape, args["k"].shape[-2], how["shift"], j)
+        opts = options if rec.family != "exact" else logit_rounding(
+            options, args["q"], args["k"], j, how.get("shift"))
         return _vjp(rec, perturbed, opts, "float64", j, how=how)
 
     jitter = sensitivity(jittered, ref, eps, scale=jitter_scale(rule))

@@ -12,10 +12,10 @@ from .measures import (EPS, TOLERANCE_FACTOR, Nudge, derived_tolerance, dtype_na
                        head_errors, host64, own_head_error, round_to, working_dtype)
 from .problem import floating_dtype, prepare, to_bhnd
 from . import rounding
-from .rounding import HALF_JITTER_SCALE, JITTER_SCALE, sensitivity
+from .rounding import HALF_JITTER_SCALE, JITTER_SCALE, logit_rounding, sensitivity
 
 __all__ = ["compare_to_reference", "assert_matches_reference", "compare_lse", "RULES", "HALF",
-           "choose_rule", "covers", "jitter_scale", "rule_factor", "shift_rounding"]
+           "choose_rule", "covers", "jitter_scale", "rule_factor"]
 
 
 def compare_to_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, layout=None,
@@ -226,28 +226,14 @@ def _baseline(problem, ref: np.ndarray, dtype: str, count: int, *, lse: bool = F
 
 
 def _convention(problem, jitter, eps: float):
-    """The problem as the jittered evaluation sees it: where the convention forms logits
-    larger than the reference's by a per-row shift (FlashAttention's causal ALiBi,
-    ``+slope j``: :attr:`Problem.lse_shift`), the rounding of those larger logits as a
-    random bias of ``c u |shift|`` on every logit of the row."""
-    if problem.lse_shift is None or problem.name not in ("softmax", "paged_attention"):
+    """The problem as the jittered evaluation sees it: exact attention's logits rounded at
+    their own size (:func:`~.rounding.logit_rounding`), with the per-row shift of a
+    convention that forms larger ones (FlashAttention's causal ALiBi, ``+slope j``:
+    :attr:`Problem.lse_shift`)."""
+    if problem.name not in ("softmax", "paged_attention"):
         return problem
-    o = problem.options
-    s = (o["block_table"].shape[-1] * problem.k.shape[1] if problem.name == "paged_attention"
-         else problem.k.shape[-2])         # a paged cache's keys: its capacity
-    return replace(problem, options=shift_rounding(o, problem.q.shape, s, problem.lse_shift,
-                                                   jitter))
-
-
-def shift_rounding(options: dict, q_shape, s: int, shift, jitter) -> dict:
-    """``options`` with the rounding of logits larger by ``shift (..., n)`` per row added
-    to the bias: ``c u |shift_i|`` with random signs on each logit ``(i, j)``."""
-    n = q_shape[-2]
-    size = jitter.u * np.abs(np.asarray(shift, dtype=np.float64))[..., None]
-    noise = size * jitter.rng.choice([-1.0, 1.0], size=np.broadcast_shapes(
-        size.shape[:-2] + (n, s), tuple(q_shape[:-2]) + (n, s)))
-    bias = options.get("bias")
-    return dict(options, bias=noise if bias is None else bias + noise)
+    return replace(problem, options=logit_rounding(problem.options, problem.q, problem.k,
+                                                   jitter, problem.lse_shift))
 
 
 def _upcast_note(dtype: str, inputs) -> list:

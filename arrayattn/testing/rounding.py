@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["JITTER_SCALE", "HALF_JITTER_SCALE", "JITTER_DRAWS", "Jitter", "sensitivity"]
+__all__ = ["JITTER_SCALE", "HALF_JITTER_SCALE", "JITTER_DRAWS", "Jitter", "sensitivity",
+           "logit_sizes", "logit_rounding"]
 
 #: The perturbation, in units of the precision's unit roundoff ``u = eps / 2``: a plain
 #: evaluation rounds each operand and each intermediate once, and a dot product of
@@ -89,3 +90,45 @@ def _deviation(res, ref) -> np.ndarray:
     seen = np.isfinite(ref) & np.isfinite(res)
     with np.errstate(invalid="ignore"):
         return np.where(seen, np.abs(np.where(seen, res, 0.0) - np.where(seen, ref, 0.0)), 0.0)
+
+
+def logit_sizes(q, k, options: dict) -> np.ndarray:
+    """``|x_ij|``, the magnitudes of the logits ``x = scale q_i . k_j`` (soft-capped) that
+    exact attention forms, shape ``(..., n, s)`` (host float64; non-finite entries 0).
+    ``q (..., h, n, d)``; ``k (..., h_k, s, d)`` with ``h_k`` dividing ``h`` (grouped
+    heads: query head ``i`` reads key head ``i // (h / h_k)``), or a paged cache
+    ``(num_blocks, page, h_k, d)`` when ``options`` has ``block_table``."""
+    q, k = (np.nan_to_num(np.asarray(x, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+            for x in (q, k))
+    table = options.get("block_table")
+    if table is not None:                       # the cache's slots, in logical order
+        table = np.asarray(table)
+        k = np.take(k, table.reshape(-1), axis=0).reshape(
+            table.shape[0], table.shape[1] * k.shape[1], *k.shape[2:]).transpose(0, 2, 1, 3)
+    if q.ndim >= 3 and k.ndim >= 3 and k.shape[-3] not in (1, q.shape[-3]) \
+            and q.shape[-3] % k.shape[-3] == 0:
+        k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
+    scale = options.get("scale")
+    scale = abs(float(scale)) if scale is not None else q.shape[-1] ** -0.5
+    x = scale * np.abs(q @ np.swapaxes(k, -1, -2))
+    cap = options.get("softcap")
+    return cap * np.tanh(x / cap) if cap else x
+
+
+def logit_rounding(options: dict, q, k, jitter: Jitter, shift=None) -> dict:
+    """``options`` with the rounding of the logits a kernel forms added to the bias: a
+    random ``c u (|x_ij| + |shift_i|)`` on each logit (``c u`` the jitter's size).
+
+    A plain evaluation rounds each logit after its dot product (the scale, a bias, a
+    softcap: ``u |x_ij|`` each), which no relative perturbation of ``q`` and ``k``
+    reproduces where the logits are large and aligned: a perturbation of ``q`` moves
+    ``x_ij`` by ``u sqrt(sum_c (q_c k_c)^2)``, up to ``sqrt(d)`` times less than
+    ``u |x_ij|`` when every term has one sign -- the sharp rows of trained heads, logits
+    of 10^3, near-tied maxima.  ``shift (..., n)``: logits a convention forms larger by a
+    per-row amount (FlashAttention's causal ALiBi ``+slope j``), rounded at that size."""
+    size = jitter.u * logit_sizes(q, k, options)
+    if shift is not None:
+        size = size + jitter.u * np.abs(np.asarray(shift, dtype=np.float64))[..., None]
+    noise = size * jitter.rng.choice([-1.0, 1.0], size=size.shape)
+    bias = options.get("bias")
+    return dict(options, bias=noise if bias is None else bias + noise)
