@@ -56,6 +56,23 @@ def _decays(g, strict):
     return d
 
 
+def _times(x, y):
+    """``x * y``, in place where the product keeps ``x``'s shape."""
+    if np.broadcast_shapes(x.shape, y.shape) == x.shape:
+        x *= y
+        return x
+    return x * y
+
+
+def _product(a, b, out):
+    """``a @ b`` written into ``out`` (whose batch may be wider: broadcast, e.g. grouped
+    heads)."""
+    if np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) == out.shape[:-2]:
+        return np.matmul(a, b, out=out)
+    out[...] = a @ b
+    return out
+
+
 def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     """:func:`arrayattn.reference.delta_chunked` on NumPy: ``(O, S_n)`` of the delta rule
     with scalar log gates ``g (..., n, 1)``, ``beta (..., n)`` and the state ``s0``."""
@@ -70,25 +87,24 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     gam = None if plain else _decays(gc[..., 0], strict)              # (..., nc, c, c)
     a = kc @ kc.mT
     if gam is not None:
-        a *= gam
+        a = _times(a, gam)
     a *= strict
-    a *= bc
-    t = unit_lower_inverse(a)
-    t *= bc.mT
+    a = _times(a, bc)
+    t = _times(unit_lower_inverse(a), bc.mT)
     qk = qc @ kc.mT
     if gam is None:
         qk *= strict + np.eye(c, dtype=q.dtype)
         into = end = None
     else:
-        qk *= gam
+        qk = _times(qk, gam)
         into = np.exp(gc[..., :1, :]) * gam[..., :, :1]                 # (..., nc, c, 1)
         end = gam[..., -1:, :].mT                                       # (..., nc, c, 1)
         last = np.ascontiguousarray(into[..., -1, 0])                   # (..., nc)
     # rows :c of each chunk's stack: w = T (k * into); rows c: the scaled queries
     wq = np.empty((*batch, nc, 2 * c, dk), dtype=q.dtype)
-    np.matmul(t if into is None else t * into.mT, kc, out=wq[..., :c, :])
+    _product(t if into is None else t * into.mT, kc, wq[..., :c, :])
     np.multiply(qc, 1.0 if into is None else into, out=wq[..., c:, :])
-    u = np.matmul(t, vc, out=np.empty((*batch, nc, c, dv), dtype=q.dtype))
+    u = _product(t, vc, np.empty((*batch, nc, c, dv), dtype=q.dtype))
     out = np.empty((*batch, nc, c, dv), dtype=q.dtype)
     s = np.array(np.broadcast_to(s0, (*batch, dk, dv)), dtype=q.dtype)
     flat = s.reshape(*batch, dk * dv)          # a view: the decay scales long rows
@@ -104,4 +120,11 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
         else:
             flat *= last[..., i, None]
             s += (ki * end[..., i, :, :]).mT @ ui
-    return unchunk(out, n), s
+    # The state does not depend on q: its batch is that of k, v, beta, g and s0 (the
+    # stacked w and q made it q's too, with equal values along q's extra dims).
+    own = np.broadcast_shapes(kc.shape[:-3], vc.shape[:-3], bc.shape[:-3], gc.shape[:-3],
+                              s0.shape[:-2])
+    own = (1,) * (len(batch) - len(own)) + own
+    s = s[tuple(slice(0, 1) if a < b else slice(None) for a, b in zip(own, batch))]
+    return unchunk(out, n), s.reshape(*np.broadcast_shapes(
+        kc.shape[:-3], vc.shape[:-3], bc.shape[:-3], gc.shape[:-3], s0.shape[:-2]), dk, dv)

@@ -40,6 +40,18 @@ def test_equals_reference(rng, batch, n, c, gate):
     np.testing.assert_allclose(got_s, want_s, rtol=1e-10, atol=1e-11)
 
 
+def test_broadcast_batches(rng):
+    """q with more heads than k, v, beta and the gates (grouped heads), and the reverse."""
+    q, k, v, beta, g, s0 = _inputs(rng, (2, 3), 37, 8, 5, "gated")
+    for args in [(q, k[:, :1], v[:, :1], beta[:, :1], g[:, :1], s0[:1, :1]),
+                 (q[:1, :1], k, v, beta, g, s0)]:
+        want = reference.delta_chunked(*args, 16)
+        got = engine.delta_chunked(*args, 16)
+        for x, y in zip(got, want):
+            assert x.shape == y.shape
+            np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-11)
+
+
 def test_unit_lower_inverse(rng):
     a = np.tril(rng.standard_normal((3, 4, 16, 16)), k=-1)
     np.testing.assert_allclose(engine.unit_lower_inverse(a),
