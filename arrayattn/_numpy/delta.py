@@ -17,9 +17,11 @@ row).  Here:
   are made on the chunk, not as whole ``(n, d)`` copies (a fresh 8 MB temporary costs
   ~2.5 ms of page faults here).
 
-Measured (2 cores, loaded machine, (1, 8, 4096, 64) float32, chunks of 16, the chunked
-core alone, interleaved medians): DeltaNet 36 ms against the reference's 46 ms and
-e6332e9's 45 ms; gated DeltaNet 48 / 54 / 50 ms (issue #39).
+Measured (2 cores, (1, 8, 4096, 64) float32, chunks of 16, the registry's calls;
+``benchmarks/regress.py`` against e6332e9, 3 interleaved rounds, load ~5, best-of): DeltaNet
+35.6 ms causal / 36.8 ms plain against 45.9 / 46.1 ms (paired 0.79-0.80), gated DeltaNet
+44.0 / 44.0 ms against 50.1 / 50.1 ms (paired 0.86-0.87); the chunked core alone, before
+the engine, ran 1.056x e6332e9's (issue #39).
 """
 from __future__ import annotations
 
