@@ -160,9 +160,11 @@ def _merge(terms, shifts):
     return functools.reduce(np.add, (np.exp(c - top) * t for t, c in zip(terms, shifts)))
 
 
-def _landmark_values(qt, k, v, key_mask, qvalid, unshifted):
+def _landmark_values(qt, k, v, key_mask, qvalid, unshifted, finite_check=False):
     """``(softmax(q̃ kᵀ) v (..., m, dv), key segment sums (..., m, d))`` in one pass over
-    blocks of whole key segments; rows of empty query landmarks are 0."""
+    blocks of whole key segments; rows of empty query landmarks are 0.  With
+    ``finite_check``: ``None`` where a key segment sum is not finite (a key holds a NaN or
+    inf), found before any stabilised pass runs on such keys."""
     m, s = qt.shape[-2], k.shape[-2]
     allowed = None if key_mask is None else key_mask[..., None]        # (..., s, 1)
     if qvalid is not None:
@@ -192,6 +194,8 @@ def _landmark_values(qt, k, v, key_mask, qvalid, unshifted):
         # An empty query landmark (a zero row of qt: finite logits) is computed with the
         # others and its row dropped afterwards.
         parts = parallel_map(lambda g: key_block(g, False), blocks)
+        if finite_check and not all(_finite(part[3]) for part in parts):
+            return None
         num = functools.reduce(np.add, [part[0] for part in parts])
         total = functools.reduce(np.add, [part[1] for part in parts])  # (..., 1, m)
         if qvalid is not None:
@@ -201,7 +205,14 @@ def _landmark_values(qt, k, v, key_mask, qvalid, unshifted):
             ok = unshifted_sums_ok(total) and bool(np.isfinite(num).all())
         if ok:
             return num / total.mT, np.concatenate([part[3] for part in parts], axis=-2)
-    parts = parallel_map(lambda g: key_block(g, True), blocks)
+    if finite_check and not unshifted:
+        # Non-finite keys may reach the stabilised pass first (inf - inf): no warning.
+        with np.errstate(invalid="ignore", over="ignore"):
+            parts = parallel_map(lambda g: key_block(g, True), blocks)
+        if not all(_finite(part[3]) for part in parts):
+            return None
+    else:
+        parts = parallel_map(lambda g: key_block(g, True), blocks)
     shifts = [part[2] for part in parts]                               # (..., 1, m)
     num = _merge([part[0] for part in parts], [c.mT for c in shifts])
     total = _merge([part[1] for part in parts], shifts).mT
@@ -259,11 +270,22 @@ def _attend_landmarks(q, kts, lv, kcols, unshifted):
     return map_rows(attempt, blocks, shape=shape, dtype=q.dtype)
 
 
-def _landmarks(q, k, v, m, scale, key_mask, query_mask, unshifted):
+def _finite(x) -> bool:
+    return bool(np.isfinite(x).all())
+
+
+def _landmarks(q, k, v, m, scale, key_mask, query_mask, unshifted, finite_check=False):
+    """``(q̃ scale, k̃, query and key landmarks' validity, B V)``; with ``finite_check``
+    ``None`` where a landmark is not finite (see :func:`nystrom_attention`)."""
     qt, qcount = segment_means(q, m, query_mask)
+    if finite_check and not _finite(qt):
+        return None
     qt *= scale
     qvalid = None if qcount is None else qcount > 0
-    bv, ksums = _landmark_values(qt, k, v, key_mask, qvalid, unshifted)
+    values = _landmark_values(qt, k, v, key_mask, qvalid, unshifted, finite_check)
+    if values is None:
+        return None
+    bv, ksums = values
     kt, kcount = _means(ksums, k.shape[-2], key_mask)
     kvalid = None if kcount is None else kcount > 0
     return qt, kt, qvalid, kvalid, bv
@@ -271,11 +293,22 @@ def _landmarks(q, k, v, m, scale, key_mask, query_mask, unshifted):
 
 def nystrom_attention(q, k, v, *, num_landmarks, scale, pinv="iterative", pinv_iters=6,
                       pinv_init="per_matrix", pinv_rtol=None, key_mask=None,
-                      query_mask=None, unshifted=True):
+                      query_mask=None, unshifted=True, finite_check=False):
     """:func:`arrayattn.reference.nystrom_attention` on NumPy; ``unshifted=False`` skips
-    the unshifted attempts (the stabilised passes only)."""
-    qt, kt, qvalid, kvalid, bv = _landmarks(q, k, v, num_landmarks, scale, key_mask,
-                                            query_mask, unshifted)
+    the unshifted attempts (the stabilised passes only).
+
+    ``finite_check=True``: ``None`` (nothing computed past the landmarks) where a query
+    or key landmark is not finite.  A segment sum is finite only where every value it
+    adds is (a NaN propagates, an inf stays inf or meets ``-inf`` and makes NaN; a finite
+    sum that overflows only answers "not known"), so finite landmarks prove every real
+    query and key finite at the price of reading ``(m, d)`` values: the passes that make
+    them read ``q`` and ``k`` anyway (issue #39).  Masked queries and ``v`` are not
+    covered: the caller checks them."""
+    marks = _landmarks(q, k, v, num_landmarks, scale, key_mask, query_mask, unshifted,
+                       finite_check)
+    if marks is None:
+        return None
+    qt, kt, qvalid, kvalid, bv = marks
     kcols = None if kvalid is None else kvalid[..., None, :]
     allowed = kcols
     if qvalid is not None:

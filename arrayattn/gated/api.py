@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from .draws import (DELTA_DRAWS, GATED_DELTA_DRAWS, GLA_DRAWS, SSD_DRAWS, default_gammas,
                     retention_gammas)
-from .run import gated_empty, gated_reference
+from .run import gated_empty, gated_engine, gated_reference, gated_work
 from .checks import (check_delta, check_gated_delta, check_gla, check_retention, check_ssd,
                      drawn_check)
 from ..core.pipeline import Spec, run
@@ -275,8 +275,8 @@ NONE_MEANS = {"key_mask": "every token is real",
 
 
 def _spec(name, check, **none_means):
-    return Spec(name=name, check=check, reference=gated_reference, empty=gated_empty,
-                none_means={**NONE_MEANS, **none_means})
+    return Spec(name=name, check=check, reference=gated_reference, engine=gated_engine,
+                work=gated_work, empty=gated_empty, none_means={**NONE_MEANS, **none_means})
 
 
 #: The pipelines of the public functions (:func:`arrayattn.core.pipeline.run`).

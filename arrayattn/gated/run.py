@@ -4,15 +4,18 @@ recurrence or the chunked form, with the family's rules for masked and non-finit
 tokens."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from .. import reference
+from .._numpy import delta as engine_delta
 from .._numpy import rows as engine_rows
 from .checks import GatedCall, checked_gated
 from ..core.pipeline import (Spec, Working, engine_pays, finite_on_host, nan_free_on_host,
                              run)
 
-__all__ = ["gated_reference", "gated_empty", "prepared", "run_gated", "STEP_SPEC"]
+__all__ = ["gated_reference", "gated_engine", "gated_work", "gated_empty", "prepared",
+           "run_gated", "STEP_SPEC"]
 
 
 def prepared(call: GatedCall, w: Working) -> tuple:
@@ -116,10 +119,36 @@ def _reference(call: GatedCall, w: Working):
         out, s = reference.delta_recurrent(wq, wk, wv, beta, g, s0)
     else:
         out, s = reference.delta_chunked(wq, wk, wv, beta, g, s0, call.chunk_size)
+    return _poisoned(call, out, s, bad)
+
+
+def _poisoned(call: GatedCall, out, s, bad):
+    """The rows from a token taken out on (``bad``), and the final state after it, NaN;
+    then :func:`_result`."""
+    p, xp = call.p, call.p.xp
     if bad is not None:
         out = reference.poison_rows(out, reference.seen_by_prefix(bad, p.n))
         s = xp.where(xp.any(bad, axis=-1)[..., None, None], xp.nan, s)
     return _result(call, xp.broadcast_to(out, p.out_shape), s)
+
+
+def gated_engine(call: GatedCall, w: Working):
+    """The NumPy engine of the chunked delta rule (:mod:`arrayattn._numpy.delta`) on the
+    :func:`prepared` inputs, with the reference's rules for non-finite tokens."""
+    wq, wk, wv, g, beta, bad = prepared(call, w)
+    out, s = engine_delta.delta_chunked(wq, wk, wv, beta, g, call.initial_state,
+                                        call.chunk_size)
+    return _poisoned(call, out, s, bad)
+
+
+def gated_work(call: GatedCall, w: Working):
+    """Bytes of the delta engine's largest temporary (the stacked ``w`` and scaled
+    queries, ``(..., n, 2 dk)``); ``None`` where it has no path: the gated (GLA) family
+    and the recurrent forms run the reference form."""
+    if call.beta is None or call.method == "recurrent":
+        return None
+    p = call.p
+    return 8 * math.prod(p.batch) * p.n * p.d
 
 
 def gated_empty(call: GatedCall):
@@ -130,7 +159,7 @@ def gated_empty(call: GatedCall):
 #: One decoding step (:func:`~arrayattn.gated_attention_step`) and any caller whose gates
 #: are checked already: :func:`run_gated`.
 STEP_SPEC = Spec(name="gated_attention_step", check=checked_gated, reference=gated_reference,
-                 empty=gated_empty,
+                 engine=gated_engine, work=gated_work, empty=gated_empty,
                  none_means={"key_mask": "every token is real",
                              "scale": "no scale (q as given)",
                              "initial_state": "zeros", "gate": "no decay (g = 0)",

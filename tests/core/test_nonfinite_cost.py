@@ -124,3 +124,27 @@ def test_host_checks_read_nothing_elsewhere():
     x = strict.ones((2, 3))
     assert not finite_on_host(strict, x)
     assert not nan_free_on_host(strict, x)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("n", [96, 2048], ids=["reference", "engine"])
+@pytest.mark.parametrize("name", ["nystrom_iterative", "nystrom_svd"])
+def test_nystrom_nonfinite_query(careful_calls, name, n, bad):
+    """Nyström's engine proves ``q`` and ``k`` finite by their landmarks (a segment mean
+    is finite only where every value is): a bad real query still makes its head NaN, and
+    a bad *masked* query (left out of the landmarks) still takes the careful path, which
+    leaves every row finite."""
+    rec = _record(name)
+    q, k, v = _qkv(n)
+    qb = q.copy()
+    qb[0, 1, n // 3, 2] = bad
+    got = np.asarray(rec(qb, k, v))
+    assert careful_calls, "a non-finite query did not reach the careful path"
+    assert np.isnan(got[0, 1]).all() and np.isfinite(got[0, 0]).all()
+    np.testing.assert_array_equal(got[0, 0], np.asarray(rec(q, k, v))[0, 0])
+    careful_calls.clear()
+    qm = np.ones((1, 2, n), dtype=bool)
+    qm[..., n // 3] = False
+    got = np.asarray(rec(qb, k, v, query_mask=qm))
+    assert careful_calls, "a non-finite masked query did not reach the careful path"
+    assert np.isfinite(got).all()
