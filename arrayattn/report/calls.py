@@ -20,9 +20,14 @@ __all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape
 
 #: XLA options of the report's programs on a CPU: LLVM at XLA's backend optimisation
 #: level 1 instead of the default 2 compiles them about a quarter faster, and they give
-#: the same outputs at the same speed (``benchmarks/report_xla_level.py``).  The report
-#: calls each program about a dozen times, so its compile time is most of its own.
-CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+#: the same outputs at the same speed (``benchmarks/report_xla_level.py``); XLA's older
+#: loop emitters instead of its MLIR "fusion emitters" (``xla_cpu_use_fusion_emitters``
+#: off) compile them about 40% faster again at level 1, every output bit-for-bit the
+#: same, the calls as fast but LSH's on the real-heads shape (2x;
+#: ``benchmarks/results/report_jax_vs_numpy.md``).  The report calls each program about
+#: a dozen times, so its compile time is most of its own.
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1,
+                        "xla_cpu_use_fusion_emitters": False}
 
 
 def on_host(x):
@@ -81,7 +86,7 @@ class Compiled:
 class Executables:
     """A :class:`~arrayattn.registry.jit_uniform` call compiled with XLA ``options``, once
     per shapes and dtypes of ``q, k, v`` (``jax.jit``'s own cache would compile it with
-    XLA's defaults); an XLA that does not know an option compiles with its defaults."""
+    XLA's defaults); an XLA that does not know an option compiles without that one."""
 
     def __init__(self, call: jit_uniform, options: dict):
         self.call, self.options, self.programs = call, dict(options), {}
@@ -101,12 +106,17 @@ class Executables:
         key = self._key(q, k, v)
         if key not in self.programs:
             lowered = self.call.lower(q, k, v)
-            try:
-                program = lowered.compile(compiler_options=self.options or None)
-            except Exception as exc:
-                if "compile option" not in str(exc):    # not an option this XLA lacks
-                    raise
-                program = lowered.compile()
+            while True:
+                try:
+                    program = lowered.compile(compiler_options=dict(self.options) or None)
+                    break
+                except Exception as exc:
+                    if "option" not in str(exc) or not self.options:
+                        raise                    # not an option this XLA lacks
+                    # leave out the option the message names (else all of them)
+                    named = [o for o in self.options if repr(o) in str(exc) or o in str(exc)]
+                    for o in named or list(self.options):
+                        self.options.pop(o, None)
             self.programs[key] = program
         return self.programs[key]
 

@@ -500,9 +500,22 @@ def test_report_programs_compile_with_the_cpu_options():
         assert len(call.programs) == 1, name         # one program for one set of shapes
 
 
+def test_report_programs_leave_out_only_an_option_xla_lacks():
+    """An XLA that does not know one of the options compiles with the others."""
+    jax = pytest.importorskip("jax")
+    from arrayattn.registry import jit_uniform
+    from arrayattn.report.calls import Executables
+
+    call = Executables(jit_uniform("softmax"), {"xla_backend_optimization_level": 1,
+                                                 "xla_no_such_option_here": False})
+    q = jax.numpy.ones((1, 2, 8, 4), jax.numpy.float32)
+    assert np.allclose(np.asarray(call(q, q, q)), 1.0)
+    assert call.options == {"xla_backend_optimization_level": 1}
+
+
 def test_executables_pass_options_and_fall_back_only_for_unknown_ones():
     """``Executables`` hands its options to XLA; an XLA that does not know an option
-    compiles with its defaults, and any other compile error is raised."""
+    compiles without it (with the others), and any other compile error is raised."""
     from arrayattn.report.calls import Executables
 
     seen = []
@@ -535,5 +548,23 @@ def test_executables_pass_options_and_fall_back_only_for_unknown_ones():
                           {"level": 1})
     assert unknown(x, x, x) == ("ran", None)
     assert seen == [{"level": 1}, None]
+    seen.clear()
+
+    class OneUnknown(Call):
+        def lower(self, q, k, v):
+            low = Lowered(None)
+            inner = low.compile
+
+            def compile(compiler_options=None):
+                if compiler_options and "new" in compiler_options:
+                    seen.append(compiler_options)
+                    raise RuntimeError("INVALID_ARGUMENT: No such compile option: 'new'")
+                return inner(compiler_options)
+            low.compile = compile
+            return low
+
+    both = Executables(OneUnknown(), {"level": 1, "new": False})
+    assert both(x, x, x) == ("ran", {"level": 1})     # the known one is kept
+    assert seen == [{"level": 1, "new": False}, {"level": 1}]
     with pytest.raises(RuntimeError, match="out of memory"):
         Executables(Call("out of memory"), {"level": 1})(x, x, x)
