@@ -58,29 +58,37 @@ class Compiled:
         """Compile every variant of ``recs`` for every input triple of ``inputs``, and for
         each ``v`` shape of ``wide`` (the one-call implied matrix's programs,
         :func:`wide_v_shape`: ``(q, k, v shape)``, for the records linear in ``v``),
-        before anything is timed, ``workers`` programs at a time (XLA compiles outside
-        Python's lock, so one program traces while another compiles); the calls then
-        find them compiled (:class:`Executables`).  (Running each program here too, as a
-        warm-up, measured no faster: the runs contend with the compiles.)  A variant
-        that fails here fails again in its row, where the error is reported."""
+        ``workers`` programs at a time, and wait until all are compiled
+        (:meth:`start`, then :meth:`wait`)."""
+        self.start(recs, inputs, workers, wide)
+        self.wait()
+
+    def start(self, recs, inputs, workers: int = 2, wide=()):
+        """Begin compiling what :meth:`ahead` compiles, in the background, ``workers``
+        programs at a time (XLA compiles outside Python's lock, so one program traces
+        while another compiles), every variant for the first input triple first, then for
+        the next: a call of a program not compiled yet waits for it
+        (:meth:`Executables.compiled`), so the first case's calls run while the other
+        shapes' programs compile.  A variant that fails here fails in its row, with this
+        error."""
         if not self.compiles:
             return
         import jax
 
-        jobs = [(self(rec), args) for rec in recs for args in inputs]
+        jobs = [(self(rec), args) for args in inputs for rec in recs]
         jobs += [(self(rec), (q, k, jax.ShapeDtypeStruct(shape, q.dtype)))
-                 for rec in recs if getattr(rec, "linear_in_v", True)
-                 for q, k, shape in wide]
+                 for q, k, shape in wide
+                 for rec in recs if getattr(rec, "linear_in_v", True)]
+        self._pool = ThreadPoolExecutor(max_workers=workers)
+        for call, args in jobs:
+            call.submit(self._pool, *args)
 
-        def compile_one(job):
-            call, args = job
-            try:
-                call.compiled(*args)
-            except Exception:  # reported by the row's own call
-                pass
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(compile_one, jobs))
+    def wait(self, cancel: bool = False):
+        """Wait until every program :meth:`start` began is compiled (or failed);
+        ``cancel=True``: those not begun yet are not compiled."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=cancel)
 
 
 class Executables:
@@ -90,6 +98,8 @@ class Executables:
 
     def __init__(self, call: jit_uniform, options: dict):
         self.call, self.options, self.programs = call, dict(options), {}
+        #: programs being compiled by :meth:`submit`'s workers, by shapes
+        self.pending = {}
         #: the shapes whose program has run (:meth:`has_run`)
         self.ran = set()
 
@@ -102,23 +112,37 @@ class Executables:
         return self._key(q, k, v) in self.ran
 
     def compiled(self, q, k, v):
-        """The executable for these shapes (compiled on first use)."""
+        """The executable for these shapes (compiled on first use; one that a worker
+        of :meth:`submit` compiles is waited for, and its error raised here)."""
         key = self._key(q, k, v)
         if key not in self.programs:
-            lowered = self.call.lower(q, k, v)
-            while True:
-                try:
-                    program = lowered.compile(compiler_options=dict(self.options) or None)
-                    break
-                except Exception as exc:
-                    if "option" not in str(exc) or not self.options:
-                        raise                    # not an option this XLA lacks
-                    # leave out the option the message names (else all of them)
-                    named = [o for o in self.options if repr(o) in str(exc) or o in str(exc)]
-                    for o in named or list(self.options):
-                        self.options.pop(o, None)
-            self.programs[key] = program
+            job = self.pending.get(key)
+            if job is not None:
+                return job.result()
+            self._compile(key, q, k, v)
         return self.programs[key]
+
+    def submit(self, pool, q, k, v):
+        """Compile the program for these shapes on the executor ``pool``."""
+        key = self._key(q, k, v)
+        if key not in self.programs and key not in self.pending:
+            self.pending[key] = pool.submit(self._compile, key, q, k, v)
+
+    def _compile(self, key, q, k, v):
+        lowered = self.call.lower(q, k, v)
+        while True:
+            try:
+                program = lowered.compile(compiler_options=dict(self.options) or None)
+                break
+            except Exception as exc:
+                if "option" not in str(exc) or not self.options:
+                    raise                    # not an option this XLA lacks
+                # leave out the option the message names (else all of them)
+                named = [o for o in self.options if repr(o) in str(exc) or o in str(exc)]
+                for o in named or list(self.options):
+                    self.options.pop(o, None)
+        self.programs[key] = program
+        return program
 
     def __call__(self, q, k, v):
         out = self.compiled(q, k, v)(q, k, v, self.call.drawn(q))

@@ -473,6 +473,51 @@ def test_compiled_ahead_once_per_shape():
         compiled(recs[-1])(*inputs[0])
 
 
+def test_calls_wait_for_the_programs_compiling_in_the_background():
+    """``Compiled.start`` compiles in the background, the first shape's programs first;
+    a call of a program still compiling waits for it instead of compiling it again, a
+    variant that failed there raises its error in the call, and ``wait`` returns once
+    every program is compiled."""
+    jax = pytest.importorskip("jax")
+    from arrayattn.report.backends import get_array_backend
+    from arrayattn.report.calls import Compiled
+
+    be = get_array_backend("jax", "float32")
+    compiled = Compiled(be)
+
+    def broken(q, k, v):
+        raise ValueError("cannot trace")
+
+    recs = [arrayattn.get_variant(n) for n in ("retention", "local", "softmax")]
+    recs.append(Variant(name="broken", fn=broken, family="test", exact=False,
+                        causal=False, key_mask=False, complexity="-", citation="-"))
+    rng = np.random.default_rng(0)
+    inputs = [[be.asarray(rng.standard_normal(sh), "float32") for _ in range(3)]
+              for sh in ((1, 2, 32, 8), (1, 3, 16, 4))]
+    wants = [[np.asarray(jax.jit(lambda q, k, v: rec(q, k, v))(*args)) for rec in recs[:-1]]
+             for args in inputs]
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        compiled.start(recs, inputs)
+        for args, want_args in zip(inputs, wants):   # at once: most are still compiling
+            for rec, want in zip(recs, want_args):
+                got = np.asarray(compiled(rec)(*args))
+                assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), rec.name
+        with pytest.raises(ValueError, match="cannot trace"):
+            compiled(recs[-1])(*inputs[0])
+        compiled.wait()
+        assert len(compiles) == 3 * len(inputs)       # once each, none twice
+        assert all(len(compiled(rec).programs) == 2 for rec in recs[:-1])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_report_programs_compile_with_the_cpu_options():
     """On a CPU the report compiles each program once per input shape with
     ``CPU_COMPILER_OPTIONS`` (not through ``jax.jit``'s cache, which compiles with XLA's
