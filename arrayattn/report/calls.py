@@ -14,7 +14,7 @@ from ..core.xp import to_numpy
 from ..registry.variant import Variant
 from ..registry import attention_matrix, jit_uniform
 
-__all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape",
+__all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape", "openblas_threads",
            "compiles", "timed",
            "CPU_COMPILER_OPTIONS"]
 
@@ -28,6 +28,50 @@ __all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape
 #: a dozen times, so its compile time is most of its own.
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1,
                         "xla_cpu_use_fusion_emitters": False}
+
+
+def openblas_threads(n: int | None, packages=("scipy", "numpy")) -> dict:
+    """Set the threads of the OpenBLAS libraries that SciPy and NumPy wheels ship to
+    ``n`` (``None``: only read them); returns ``{path: threads before}`` of each one
+    found (none for other builds: nothing changes).  jaxlib's CPU LAPACK kernels (a JAX
+    program's SVD, eigh, QR) call SciPy's; NumPy's serves the host's float64 matmuls and
+    norms.  ``openblas_threads(None)`` and a dict from an earlier call restore.
+
+    The JAX report sets both to 1 while it runs on a CPU: OpenBLAS's threads wait for
+    work by spinning, and beside XLA's compiles and calls (and on a loaded machine) they
+    slowed Nyström's ``m x m`` SVD 100x (1.4 ms -> 0.2-0.5 s a call) and took CPU from
+    every program (``benchmarks/results/report_jax_vs_numpy.md``)."""
+    import ctypes
+    import glob
+    import importlib
+    import os
+    found = {}
+    for name in packages:
+        try:
+            pkg = importlib.import_module(name)
+            if name == "scipy":
+                importlib.import_module("scipy.linalg.cython_lapack")  # loads it
+        except ImportError:
+            continue
+        libs = os.path.join(os.path.dirname(os.path.dirname(pkg.__file__)), name + ".libs")
+        for path in sorted(glob.glob(os.path.join(libs, "lib*openblas*.so*"))):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for get_name, set_name in (
+                    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
+                    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                    ("openblas_get_num_threads", "openblas_set_num_threads"),
+                    ("openblas_get_num_threads64_", "openblas_set_num_threads64_")):
+                get, put = getattr(lib, get_name, None), getattr(lib, set_name, None)
+                if get is not None and put is not None:
+                    found[path] = int(get())
+                    want = n.get(path) if isinstance(n, dict) else n
+                    if want is not None:
+                        put(ctypes.c_int(int(want)))
+                    break
+    return found
 
 
 def on_host(x):

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import get_array_backend
-from .calls import Compiled, compiles, implied_matrix, on_host, timed, wide_v_shape
+from .calls import (Compiled, compiles, implied_matrix, on_host, openblas_threads, timed,
+                    wide_v_shape)
 from .json_file import machine_info, rows_as_dicts, write_json
 from ..registry import get_variant, variants
 from .plot import plot_report
@@ -239,25 +240,32 @@ def run_report(w: Workload = Workload(), names=None, *, progress=None,
     # compiled (JAX): the programs compile in the background, the first shape's first,
     # while the calls that give the error columns run; the timed calls come last, once
     # nothing compiles beside them (each program has run by then: no warm-up call)
-    compiled.start(recs, inputs, wide=wide)
-    later = []
-    rows = []
+    # JAX on a CPU: SciPy's and NumPy's OpenBLAS (jaxlib's LAPACK, the host's float64
+    # work) on one thread while the report runs (openblas_threads)
+    threads = openblas_threads(1) if compiled.compiles and be.device == "cpu" else None
     try:
-        for case in CASES:
-            rows += _case_rows(w, be, compiled, recs, case, hosts[case], later, prog,
-                               one_call_matrix)
-    except BaseException:
-        compiled.wait(cancel=True)
-        raise
-    compiled.wait()
-    for row, call, q, k, v, ref in later:
+        compiled.start(recs, inputs, wide=wide)
+        later = []
+        rows = []
         try:
-            out, times, peak = timed(be, call, q, k, v, w.repeats)
-            _set_times(row, times, peak)
-            if ref is not None:
-                row.rel_error = _rel_error(out, ref)
-        except Exception as exc:  # keep going: one broken variant must not hide the rest
-            row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            for case in CASES:
+                rows += _case_rows(w, be, compiled, recs, case, hosts[case], later, prog,
+                                   one_call_matrix)
+        except BaseException:
+            compiled.wait(cancel=True)
+            raise
+        compiled.wait()
+        for row, call, q, k, v, ref in later:
+            try:
+                out, times, peak = timed(be, call, q, k, v, w.repeats)
+                _set_times(row, times, peak)
+                if ref is not None:
+                    row.rel_error = _rel_error(out, ref)
+            except Exception as exc:  # keep going: one broken variant must not hide the rest
+                row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    finally:
+        if threads:
+            openblas_threads(threads)
     return rows
 
 

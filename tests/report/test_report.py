@@ -613,3 +613,23 @@ def test_executables_pass_options_and_fall_back_only_for_unknown_ones():
     assert seen == [{"level": 1, "new": False}, {"level": 1}]
     with pytest.raises(RuntimeError, match="out of memory"):
         Executables(Call("out of memory"), {"level": 1})(x, x, x)
+
+
+def test_openblas_threads_are_set_and_restored():
+    """``openblas_threads`` sets the OpenBLAS libraries SciPy's and NumPy's wheels ship
+    (where found) and restores them from what it returned; the JAX report leaves them as
+    it found them."""
+    from arrayattn.report.calls import openblas_threads
+
+    before = openblas_threads(None)
+    if not before:
+        pytest.skip("no OpenBLAS of a SciPy or NumPy wheel here")
+    try:
+        assert openblas_threads(1) == before
+        assert set(openblas_threads(None).values()) == {1}
+    finally:
+        openblas_threads(before)
+    assert openblas_threads(None) == before
+    pytest.importorskip("jax")
+    run_report(Workload(n=32, d=8, backend="jax", repeats=1), ["nystrom_svd"])
+    assert openblas_threads(None) == before
