@@ -14,15 +14,69 @@ from ..core.xp import to_numpy
 from ..registry.variant import Variant
 from ..registry import attention_matrix, jit_uniform
 
-__all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape",
+__all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape", "openblas_threads",
            "compiles", "timed",
            "CPU_COMPILER_OPTIONS"]
 
 #: XLA options of the report's programs on a CPU: LLVM at XLA's backend optimisation
 #: level 1 instead of the default 2 compiles them about a quarter faster, and they give
-#: the same outputs at the same speed (``benchmarks/report_xla_level.py``).  The report
+#: the same outputs at the same speed (``benchmarks/report_xla_level.py``); XLA's older
+#: loop emitters instead of its MLIR "fusion emitters" (``xla_cpu_use_fusion_emitters``
+#: off) compile them about 40% faster again at level 1, every output bit-for-bit the
+#: same, the calls as fast but LSH's on the real-heads shape (2x;
+#: ``benchmarks/results/report_jax_vs_numpy.md``); and LLVM's code generation of a
+#: program in one piece instead of split for parallel threads
+#: (``xla_cpu_parallel_codegen_split_count`` 1): a program alone compiles a little
+#: slower, but with 22% fewer CPU seconds, and the report keeps both cores busy with
+#: compiles and calls (12.4-13.1 s against 13.6-13.9 s, the same outputs).  The report
 #: calls each program about a dozen times, so its compile time is most of its own.
-CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1,
+                        "xla_cpu_use_fusion_emitters": False,
+                        "xla_cpu_parallel_codegen_split_count": 1}
+
+
+def openblas_threads(n: int | None, packages=("scipy", "numpy")) -> dict:
+    """Set the threads of the OpenBLAS libraries that SciPy and NumPy wheels ship to
+    ``n`` (``None``: only read them); returns ``{path: threads before}`` of each one
+    found (none for other builds: nothing changes).  jaxlib's CPU LAPACK kernels (a JAX
+    program's SVD, eigh, QR) call SciPy's; NumPy's serves the host's float64 matmuls and
+    norms.  ``openblas_threads(None)`` and a dict from an earlier call restore.
+
+    The JAX report sets both to 1 while it runs on a CPU: OpenBLAS's threads wait for
+    work by spinning, and beside XLA's compiles and calls (and on a loaded machine) they
+    slowed Nyström's ``m x m`` SVD 100x (1.4 ms -> 0.2-0.5 s a call) and took CPU from
+    every program (``benchmarks/results/report_jax_vs_numpy.md``)."""
+    import ctypes
+    import glob
+    import importlib
+    import os
+    found = {}
+    for name in packages:
+        try:
+            pkg = importlib.import_module(name)
+            if name == "scipy":
+                importlib.import_module("scipy.linalg.cython_lapack")  # loads it
+        except ImportError:
+            continue
+        libs = os.path.join(os.path.dirname(os.path.dirname(pkg.__file__)), name + ".libs")
+        for path in sorted(glob.glob(os.path.join(libs, "lib*openblas*.so*"))):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for get_name, set_name in (
+                    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
+                    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                    ("openblas_get_num_threads", "openblas_set_num_threads"),
+                    ("openblas_get_num_threads64_", "openblas_set_num_threads64_")):
+                get, put = getattr(lib, get_name, None), getattr(lib, set_name, None)
+                if get is not None and put is not None:
+                    found[path] = int(get())
+                    want = n.get(path) if isinstance(n, dict) else n
+                    if want is not None:
+                        put(ctypes.c_int(int(want)))
+                    break
+    return found
 
 
 def on_host(x):
@@ -53,38 +107,48 @@ class Compiled:
         """Compile every variant of ``recs`` for every input triple of ``inputs``, and for
         each ``v`` shape of ``wide`` (the one-call implied matrix's programs,
         :func:`wide_v_shape`: ``(q, k, v shape)``, for the records linear in ``v``),
-        before anything is timed, ``workers`` programs at a time (XLA compiles outside
-        Python's lock, so one program traces while another compiles); the calls then
-        find them compiled (:class:`Executables`).  (Running each program here too, as a
-        warm-up, measured no faster: the runs contend with the compiles.)  A variant
-        that fails here fails again in its row, where the error is reported."""
+        ``workers`` programs at a time, and wait until all are compiled
+        (:meth:`start`, then :meth:`wait`)."""
+        self.start(recs, inputs, workers, wide)
+        self.wait()
+
+    def start(self, recs, inputs, workers: int = 2, wide=()):
+        """Begin compiling what :meth:`ahead` compiles, in the background, ``workers``
+        programs at a time (XLA compiles outside Python's lock, so one program traces
+        while another compiles), every variant for the first input triple first, then for
+        the next: a call of a program not compiled yet waits for it
+        (:meth:`Executables.compiled`), so the first case's calls run while the other
+        shapes' programs compile.  A variant that fails here fails in its row, with this
+        error."""
         if not self.compiles:
             return
         import jax
 
-        jobs = [(self(rec), args) for rec in recs for args in inputs]
+        jobs = [(self(rec), args) for args in inputs for rec in recs]
         jobs += [(self(rec), (q, k, jax.ShapeDtypeStruct(shape, q.dtype)))
-                 for rec in recs if getattr(rec, "linear_in_v", True)
-                 for q, k, shape in wide]
+                 for q, k, shape in wide
+                 for rec in recs if getattr(rec, "linear_in_v", True)]
+        self._pool = ThreadPoolExecutor(max_workers=workers)
+        for call, args in jobs:
+            call.submit(self._pool, *args)
 
-        def compile_one(job):
-            call, args = job
-            try:
-                call.compiled(*args)
-            except Exception:  # reported by the row's own call
-                pass
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(compile_one, jobs))
+    def wait(self, cancel: bool = False):
+        """Wait until every program :meth:`start` began is compiled (or failed);
+        ``cancel=True``: those not begun yet are not compiled."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=cancel)
 
 
 class Executables:
     """A :class:`~arrayattn.registry.jit_uniform` call compiled with XLA ``options``, once
     per shapes and dtypes of ``q, k, v`` (``jax.jit``'s own cache would compile it with
-    XLA's defaults); an XLA that does not know an option compiles with its defaults."""
+    XLA's defaults); an XLA that does not know an option compiles without that one."""
 
     def __init__(self, call: jit_uniform, options: dict):
         self.call, self.options, self.programs = call, dict(options), {}
+        #: programs being compiled by :meth:`submit`'s workers, by shapes
+        self.pending = {}
         #: the shapes whose program has run (:meth:`has_run`)
         self.ran = set()
 
@@ -97,18 +161,37 @@ class Executables:
         return self._key(q, k, v) in self.ran
 
     def compiled(self, q, k, v):
-        """The executable for these shapes (compiled on first use)."""
+        """The executable for these shapes (compiled on first use; one that a worker
+        of :meth:`submit` compiles is waited for, and its error raised here)."""
         key = self._key(q, k, v)
         if key not in self.programs:
-            lowered = self.call.lower(q, k, v)
-            try:
-                program = lowered.compile(compiler_options=self.options or None)
-            except Exception as exc:
-                if "compile option" not in str(exc):    # not an option this XLA lacks
-                    raise
-                program = lowered.compile()
-            self.programs[key] = program
+            job = self.pending.get(key)
+            if job is not None:
+                return job.result()
+            self._compile(key, q, k, v)
         return self.programs[key]
+
+    def submit(self, pool, q, k, v):
+        """Compile the program for these shapes on the executor ``pool``."""
+        key = self._key(q, k, v)
+        if key not in self.programs and key not in self.pending:
+            self.pending[key] = pool.submit(self._compile, key, q, k, v)
+
+    def _compile(self, key, q, k, v):
+        lowered = self.call.lower(q, k, v)
+        while True:
+            try:
+                program = lowered.compile(compiler_options=dict(self.options) or None)
+                break
+            except Exception as exc:
+                if "option" not in str(exc) or not self.options:
+                    raise                    # not an option this XLA lacks
+                # leave out the option the message names (else all of them)
+                named = [o for o in self.options if repr(o) in str(exc) or o in str(exc)]
+                for o in named or list(self.options):
+                    self.options.pop(o, None)
+        self.programs[key] = program
+        return program
 
     def __call__(self, q, k, v):
         out = self.compiled(q, k, v)(q, k, v, self.call.drawn(q))

@@ -473,6 +473,51 @@ def test_compiled_ahead_once_per_shape():
         compiled(recs[-1])(*inputs[0])
 
 
+def test_calls_wait_for_the_programs_compiling_in_the_background():
+    """``Compiled.start`` compiles in the background, the first shape's programs first;
+    a call of a program still compiling waits for it instead of compiling it again, a
+    variant that failed there raises its error in the call, and ``wait`` returns once
+    every program is compiled."""
+    jax = pytest.importorskip("jax")
+    from arrayattn.report.backends import get_array_backend
+    from arrayattn.report.calls import Compiled
+
+    be = get_array_backend("jax", "float32")
+    compiled = Compiled(be)
+
+    def broken(q, k, v):
+        raise ValueError("cannot trace")
+
+    recs = [arrayattn.get_variant(n) for n in ("retention", "local", "softmax")]
+    recs.append(Variant(name="broken", fn=broken, family="test", exact=False,
+                        causal=False, key_mask=False, complexity="-", citation="-"))
+    rng = np.random.default_rng(0)
+    inputs = [[be.asarray(rng.standard_normal(sh), "float32") for _ in range(3)]
+              for sh in ((1, 2, 32, 8), (1, 3, 16, 4))]
+    wants = [[np.asarray(jax.jit(lambda q, k, v: rec(q, k, v))(*args)) for rec in recs[:-1]]
+             for args in inputs]
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        compiled.start(recs, inputs)
+        for args, want_args in zip(inputs, wants):   # at once: most are still compiling
+            for rec, want in zip(recs, want_args):
+                got = np.asarray(compiled(rec)(*args))
+                assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), rec.name
+        with pytest.raises(ValueError, match="cannot trace"):
+            compiled(recs[-1])(*inputs[0])
+        compiled.wait()
+        assert len(compiles) == 3 * len(inputs)       # once each, none twice
+        assert all(len(compiled(rec).programs) == 2 for rec in recs[:-1])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_report_programs_compile_with_the_cpu_options():
     """On a CPU the report compiles each program once per input shape with
     ``CPU_COMPILER_OPTIONS`` (not through ``jax.jit``'s cache, which compiles with XLA's
@@ -500,9 +545,22 @@ def test_report_programs_compile_with_the_cpu_options():
         assert len(call.programs) == 1, name         # one program for one set of shapes
 
 
+def test_report_programs_leave_out_only_an_option_xla_lacks():
+    """An XLA that does not know one of the options compiles with the others."""
+    jax = pytest.importorskip("jax")
+    from arrayattn.registry import jit_uniform
+    from arrayattn.report.calls import Executables
+
+    call = Executables(jit_uniform("softmax"), {"xla_backend_optimization_level": 1,
+                                                 "xla_no_such_option_here": False})
+    q = jax.numpy.ones((1, 2, 8, 4), jax.numpy.float32)
+    assert np.allclose(np.asarray(call(q, q, q)), 1.0)
+    assert call.options == {"xla_backend_optimization_level": 1}
+
+
 def test_executables_pass_options_and_fall_back_only_for_unknown_ones():
     """``Executables`` hands its options to XLA; an XLA that does not know an option
-    compiles with its defaults, and any other compile error is raised."""
+    compiles without it (with the others), and any other compile error is raised."""
     from arrayattn.report.calls import Executables
 
     seen = []
@@ -535,5 +593,43 @@ def test_executables_pass_options_and_fall_back_only_for_unknown_ones():
                           {"level": 1})
     assert unknown(x, x, x) == ("ran", None)
     assert seen == [{"level": 1}, None]
+    seen.clear()
+
+    class OneUnknown(Call):
+        def lower(self, q, k, v):
+            low = Lowered(None)
+            inner = low.compile
+
+            def compile(compiler_options=None):
+                if compiler_options and "new" in compiler_options:
+                    seen.append(compiler_options)
+                    raise RuntimeError("INVALID_ARGUMENT: No such compile option: 'new'")
+                return inner(compiler_options)
+            low.compile = compile
+            return low
+
+    both = Executables(OneUnknown(), {"level": 1, "new": False})
+    assert both(x, x, x) == ("ran", {"level": 1})     # the known one is kept
+    assert seen == [{"level": 1, "new": False}, {"level": 1}]
     with pytest.raises(RuntimeError, match="out of memory"):
         Executables(Call("out of memory"), {"level": 1})(x, x, x)
+
+
+def test_openblas_threads_are_set_and_restored():
+    """``openblas_threads`` sets the OpenBLAS libraries SciPy's and NumPy's wheels ship
+    (where found) and restores them from what it returned; the JAX report leaves them as
+    it found them."""
+    from arrayattn.report.calls import openblas_threads
+
+    before = openblas_threads(None)
+    if not before:
+        pytest.skip("no OpenBLAS of a SciPy or NumPy wheel here")
+    try:
+        assert openblas_threads(1) == before
+        assert set(openblas_threads(None).values()) == {1}
+    finally:
+        openblas_threads(before)
+    assert openblas_threads(None) == before
+    pytest.importorskip("jax")
+    run_report(Workload(n=32, d=8, backend="jax", repeats=1), ["nystrom_svd"])
+    assert openblas_threads(None) == before
