@@ -258,7 +258,9 @@ def blas_single():
     thread then busy-waits for a while, taking a core from the next parallel section
     (measured: 35 ms of a 150 ms Nyström call after one small SVD).
     """
-    control = _blas_control() if num_threads() > 1 else ()
+    # inside a worker the enclosing map holds the lock (and the BLAS): nothing to do
+    inside = getattr(_state, "inside", False)
+    control = _blas_control() if num_threads() > 1 and not inside else ()
     if not control:
         yield
         return
