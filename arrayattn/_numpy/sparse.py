@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .finite import all_finite
 from .parallel import parallel_map
 
 __all__ = ["map_chunks", "finite", "drop_bad_values", "attend_tiles", "CHUNK_SCALE"]
@@ -43,10 +44,11 @@ def map_chunks(fn, chunks) -> list:
 
 
 def finite(x) -> bool:
-    """Whether ``x`` holds no NaN and no infinity: one reduction, no temporary (a
-    non-finite entry makes the float64 sum non-finite; a finite sum that overflows only
-    sends the call to the guarded reference form)."""
-    return bool(np.isfinite(np.add.reduce(x, axis=None, dtype=np.float64)))
+    """Whether ``x`` holds no NaN and no infinity: one read, no temporary
+    (:func:`~arrayattn._numpy.finite.all_finite`; a finite sum that overflows only sends
+    the call to the guarded reference form).  (A float64 ``np.add.reduce`` took 4.3 ms
+    for 8M float32 values: local causal at n = 16384 1.28x e6332e9, issue #39.)"""
+    return all_finite(x)
 
 
 def drop_bad_values(vb):

@@ -137,7 +137,7 @@ def finite_on_host(xp, *arrays) -> bool:
     """Whether one cheap host pass proves every value of ``arrays`` finite.
 
     On NumPy (no device: reading a value syncs nothing) one sum over each array (of its
-    squares where it is contiguous, :func:`_host_sum`): it is finite only where every
+    squares where it is contiguous, :func:`arrayattn._numpy.finite.host_sum`): it is finite only where every
     value is (a NaN propagates, ``inf - inf`` is NaN); a sum of finite values that
     overflows answers ``False``, which only sends the call to the careful path.  One read
     of each array, no temporary -- about 0.6 ms for 8M float32 values, against the
@@ -148,26 +148,8 @@ def finite_on_host(xp, *arrays) -> bool:
     """
     if not array_api_compat.is_numpy_namespace(xp):
         return False
-    import numpy as np
-    from .._numpy.parallel import blas_single, parallel_map
-    arrays = [x for x in arrays if x is not None and x.size]
-    # One array a thread, the BLAS held to one: a threaded BLAS dot wakes OpenBLAS's
-    # workers, which busy-wait on after it and take a core from the engine's threads
-    # (measured: causal kernel calls 1.1-1.4x slower in a fresh process, issue #39).
-    with np.errstate(over="ignore", invalid="ignore"), blas_single():
-        sums = parallel_map(lambda x: _host_sum(np, x), arrays, blas=False)
-        return all(bool(np.isfinite(total)) for total in sums)
-
-
-def _host_sum(np, x):
-    """A sum over ``x`` that is finite only where every value is: ``x . x`` by the BLAS
-    where ``x`` is one contiguous float block (twice the speed of ``np.sum``: 0.64 ms
-    against 1.3 ms for 8M float32 values; a square that overflows only answers "not
-    known"), else ``np.sum``."""
-    if x.flags.c_contiguous and x.dtype in (np.float32, np.float64):
-        flat = x.reshape(-1)
-        return np.dot(flat, flat)
-    return np.sum(x)
+    from .._numpy.finite import all_finite
+    return all_finite(*arrays)
 
 
 def nan_free_on_host(xp, *arrays) -> bool:
