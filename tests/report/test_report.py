@@ -1,6 +1,7 @@
 """``arrayattn report``: the table, the JSON, the plot, the backends, the errors."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -432,6 +433,34 @@ def test_timed_makes_no_warm_up_call_where_the_program_ran_already():
     np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
 
 
+def _broken_and_two_shapes(be):
+    """A variant that cannot trace, and inputs of two shapes (the report's compile tests)."""
+    def broken(q, k, v):
+        raise ValueError("cannot trace")
+
+    rng = np.random.default_rng(0)
+    inputs = [[be.asarray(rng.standard_normal(sh), "float32") for _ in range(3)]
+              for sh in ((1, 2, 32, 8), (1, 3, 16, 4))]
+    return Variant(name="broken", fn=broken, family="test", exact=False, causal=False,
+                   key_mask=False, complexity="-", citation="-"), inputs
+
+
+@contextlib.contextmanager
+def _backend_compiles(jax):
+    """The list of XLA compiles made inside the block."""
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_compiled_ahead_once_per_shape():
     """On JAX the report compiles every variant for each input shape before the timing
     (two at a time): afterwards the calls of every case find their program compiled, one
@@ -444,31 +473,15 @@ def test_compiled_ahead_once_per_shape():
     be = get_array_backend("jax", "float32")
     compiled = Compiled(be)
     good = [arrayattn.get_variant(n) for n in ("softmax", "retention", "local")]
-
-    def broken(q, k, v):
-        raise ValueError("cannot trace")
-
-    recs = [*good, Variant(name="broken", fn=broken, family="test", exact=False,
-                           causal=False, key_mask=False, complexity="-", citation="-")]
-    rng = np.random.default_rng(0)
-    inputs = [[be.asarray(rng.standard_normal(sh), "float32") for _ in range(3)]
-              for sh in ((1, 2, 32, 8), (1, 3, 16, 4))]
-    compiles = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    bad, inputs = _broken_and_two_shapes(be)
+    recs = [*good, bad]
+    with _backend_compiles(jax) as compiles:
         compiled.ahead(recs, inputs)
         assert len(compiles) == len(good) * len(inputs)
         for rec in good:
             for args in inputs:
                 jax.block_until_ready(compiled(rec)(*args))
         assert len(compiles) == len(good) * len(inputs)      # the calls compiled nothing
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     with pytest.raises(ValueError, match="cannot trace"):
         compiled(recs[-1])(*inputs[0])
 
@@ -485,25 +498,11 @@ def test_calls_wait_for_the_programs_compiling_in_the_background():
     be = get_array_backend("jax", "float32")
     compiled = Compiled(be)
 
-    def broken(q, k, v):
-        raise ValueError("cannot trace")
-
-    recs = [arrayattn.get_variant(n) for n in ("retention", "local", "softmax")]
-    recs.append(Variant(name="broken", fn=broken, family="test", exact=False,
-                        causal=False, key_mask=False, complexity="-", citation="-"))
-    rng = np.random.default_rng(0)
-    inputs = [[be.asarray(rng.standard_normal(sh), "float32") for _ in range(3)]
-              for sh in ((1, 2, 32, 8), (1, 3, 16, 4))]
+    bad, inputs = _broken_and_two_shapes(be)
+    recs = [*(arrayattn.get_variant(n) for n in ("retention", "local", "softmax")), bad]
     wants = [[np.asarray(jax.jit(lambda q, k, v: rec(q, k, v))(*args)) for rec in recs[:-1]]
              for args in inputs]
-    compiles = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with _backend_compiles(jax) as compiles:
         compiled.start(recs, inputs)
         for args, want_args in zip(inputs, wants):   # at once: most are still compiling
             for rec, want in zip(recs, want_args):
@@ -514,8 +513,6 @@ def test_calls_wait_for_the_programs_compiling_in_the_background():
         compiled.wait()
         assert len(compiles) == 3 * len(inputs)       # once each, none twice
         assert all(len(compiled(rec).programs) == 2 for rec in recs[:-1])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_report_programs_compile_with_the_cpu_options():
