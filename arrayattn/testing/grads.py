@@ -262,12 +262,14 @@ def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str, half, ref:
         return _vjp(rec, perturbed, opts, "float64", j, how=how)
 
     jitter = sensitivity(jittered, ref, eps, scale=jitter_scale(rule))
-    stored = _stored_output_rounding(rec, args, options, how, eps * jitter_scale(rule) / 2)
+    stored = _stored_output_rounding(rec, args, options, how, eps * jitter_scale(rule) / 2,
+                                     ref["k"].shape if "k" in ref else ())
     return {name: np.maximum(np.maximum(res[name], jitter[name]), stored.get(name, 0.0))
             for name in ref}
 
 
-def _stored_output_rounding(rec, args: dict, options: dict, how: dict, u: float) -> dict:
+def _stored_output_rounding(rec, args: dict, options: dict, how: dict, u: float,
+                            k_shape: tuple) -> dict:
     r"""Softmax attention's backward forms :math:`D_i = do_i \cdot o_i` from the output as
     the forward stored it, rounded to its dtype (FlashAttention-2; a plain evaluation
     rounds that sum as well): :math:`\delta D_i = u \sum_c |do_{ic}\, o_{ic}|` moves
@@ -278,15 +280,19 @@ def _stored_output_rounding(rec, args: dict, options: dict, how: dict, u: float)
     \delta D_i\, |(P k)_i|`, ``dk_j`` by :math:`\mathrm{scale}\, |\sum_i P_{ij}\,
     \delta D_i\, q_i|` with random signs (the largest of
     :data:`~arrayattn.testing.rounding.JITTER_DRAWS`), summed over a profile's repeated
-    key heads.  ``{}`` for other variants."""
+    key heads (or broadcast ones: ``k_shape``, the reference ``dk``'s).  ``{}`` for other
+    variants."""
     from ..core.engine import use_engine
 
     if rec.family != "exact":
         return {}
-    a = dict(args)
-    s = a["k"].shape[-2]
-    a["v"] = np.broadcast_to(np.eye(s), (*np.broadcast_shapes(a["q"].shape[:-2],
-                                                              a["k"].shape[:-2]), s, s))
+    q, k, v, do = (np.nan_to_num(args[x], nan=0.0, posinf=0.0, neginf=0.0)
+                   for x in ("q", "k", "v", "do"))
+    # grouped heads taken natively (fewer key/value heads): query head i reads i // group
+    group = (q.shape[-3] // k.shape[-3] if q.ndim >= 3 and k.ndim >= 3
+             and k.shape[-3] not in (1, q.shape[-3]) and q.shape[-3] % k.shape[-3] == 0 else 1)
+    s = k.shape[-2]
+    a = dict(args, v=np.broadcast_to(np.eye(s), (*args["k"].shape[:-2], s, s)))
     convert = how.get("convert")
     opts = options
     if convert is not None:
@@ -296,20 +302,23 @@ def _stored_output_rounding(rec, args: dict, options: dict, how: dict, u: float)
         p = np.asarray(to_numpy(rec.reference(a["q"], a["k"], a["v"], **opts)),
                        dtype=np.float64)
     p = np.where(np.isfinite(p), p, 0.0)
-    q, k, v, do = (np.nan_to_num(args[x], nan=0.0, posinf=0.0, neginf=0.0)
-                   for x in ("q", "k", "v", "do"))
+    k, v = (np.repeat(x, group, axis=-3) for x in (k, v))
     scale = options.get("scale")
     scale = abs(float(scale)) if scale is not None else q.shape[-1] ** -0.5
     delta = u * np.sum(np.abs(do * (p @ v)), axis=-1, keepdims=True)      # (..., n, 1)
     res = {"q": scale * delta * np.abs(p @ k)}
     rng, dk = np.random.default_rng(0), 0.0
-    groups = how.get("groups", 1)
     for _ in range(JITTER_DRAWS):
         signs = rng.choice([-1.0, 1.0], size=delta.shape)
         g = scale * (np.swapaxes(p, -1, -2) @ (signs * delta * q))
-        if groups > 1:
-            g = g.reshape(*g.shape[:-3], g.shape[-3] // groups, groups,
-                          *g.shape[-2:]).sum(axis=-3)
+        for size in (group, how.get("groups", 1)):    # native groups, then a profile's
+            if size > 1:
+                g = g.reshape(*g.shape[:-3], g.shape[-3] // size, size,
+                              *g.shape[-2:]).sum(axis=-3)
+        while g.ndim > len(k_shape):                  # broadcast key heads / batch
+            g = g.sum(axis=0)
+        g = np.sum(g, axis=tuple(i for i, (a, b) in enumerate(zip(g.shape, k_shape))
+                                 if b == 1 and a != 1), keepdims=True)
         dk = np.maximum(dk, np.abs(g))
     res["k"] = dk
     return res

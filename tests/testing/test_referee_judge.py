@@ -351,3 +351,25 @@ def test_fa2_half_backward_with_its_stored_output_is_not_flagged():
             bad, "softmax", q, k, v, do, causal=True).items.values())
         total += 3
     assert caught == total
+
+
+@pytest.mark.parametrize("hk", [2, 1], ids=["grouped", "broadcast"])
+def test_stored_output_term_with_fewer_key_heads(hk):
+    """The backward's stored-output term with grouped key heads taken natively (4 query
+    heads, 2 key heads) and a broadcast key head: measured in full, of dk's shape, MATCH
+    (``arrayattn check`` found a grouped flash_attn case where it did not broadcast)."""
+    from arrayattn.testing import rounding
+
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((2, 4, 9, 8)) * 3).astype(np.float32)
+    k = (rng.standard_normal((2, hk, 11, 8)) * 3).astype(np.float32)
+    v = rng.standard_normal((2, hk, 11, 8)).astype(np.float32)
+    do = rng.standard_normal((2, 4, 9, 8)).astype(np.float32)
+    g = arrayattn.vjp("softmax", q, k, v, do, causal=True)
+    rounding.MEASURE_ALWAYS = True
+    try:
+        c = compare_grads(g, "softmax", q, k, v, do, causal=True)
+    finally:
+        rounding.MEASURE_ALWAYS = False
+    assert c.ok, c.verdict()
+    assert c.items["k"].tolerance.shape == c.items["k"].max_abs.shape
