@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 __all__ = ["LOCK", "serialised", "num_threads", "split_everything", "split_rows", "parallel_map",
-           "map_rows", "scratch", "blas_single", "reduce_rows", "cumsum_"]
+           "map_rows", "scratch", "blas_single", "reduce_rows", "cumsum_", "openblas_control"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
 #: a thread hand-off costs tens of microseconds.
@@ -139,20 +139,37 @@ def _find_openblas():
                              if "openblas" in line.lower() and "/" in line})
     except OSError:  # pragma: no cover - not Linux
         pass
-    names = [("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
-             ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
-             ("openblas_set_num_threads", "openblas_get_num_threads")]
     for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for set_name, get_name in names:
-            setter, getter = getattr(lib, set_name, None), getattr(lib, get_name, None)
-            if setter is not None and getter is not None:
-                setter.argtypes, setter.restype = [ctypes.c_int], None
-                getter.argtypes, getter.restype = [], ctypes.c_int
-                return setter, getter
+        # not SciPy's 32-bit interface: that library does not run NumPy's matmuls
+        control = openblas_control(path, [x for x in _OPENBLAS_SYMBOLS if "64_" in x[0]
+                                          or not x[0].startswith("scipy")])
+        if control:
+            return control
+    return ()
+
+
+#: OpenBLAS's thread-count functions ``(set, get)``: scipy-openblas wheels (NumPy's 64-bit
+#: interface, SciPy's 32-bit one), then distribution builds.
+_OPENBLAS_SYMBOLS = (
+    ("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
+    ("scipy_openblas_set_num_threads", "scipy_openblas_get_num_threads"),
+    ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
+    ("openblas_set_num_threads", "openblas_get_num_threads"))
+
+
+def openblas_control(path: str, symbols=_OPENBLAS_SYMBOLS):
+    """``(set_num_threads, get_num_threads)`` of the OpenBLAS library at ``path`` (the
+    first pair of ``symbols`` it has), or ``()`` (not loadable, not an OpenBLAS)."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return ()
+    for set_name, get_name in symbols:
+        setter, getter = getattr(lib, set_name, None), getattr(lib, get_name, None)
+        if setter is not None and getter is not None:
+            setter.argtypes, setter.restype = [ctypes.c_int], None
+            getter.argtypes, getter.restype = [], ctypes.c_int
+            return setter, getter
     return ()
 
 

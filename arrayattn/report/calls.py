@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .._numpy.parallel import openblas_control
 from ..core.xp import to_numpy
 from ..registry.variant import Variant
 from ..registry import attention_matrix, jit_uniform
@@ -46,7 +47,6 @@ def openblas_threads(n: int | None, packages=("scipy", "numpy")) -> dict:
     work by spinning, and beside XLA's compiles and calls (and on a loaded machine) they
     slowed Nyström's ``m x m`` SVD 100x (1.4 ms -> 0.2-0.5 s a call) and took CPU from
     every program (``benchmarks/results/report_jax_vs_numpy.md``)."""
-    import ctypes
     import glob
     import importlib
     import os
@@ -60,22 +60,12 @@ def openblas_threads(n: int | None, packages=("scipy", "numpy")) -> dict:
             continue
         libs = os.path.join(os.path.dirname(os.path.dirname(pkg.__file__)), name + ".libs")
         for path in sorted(glob.glob(os.path.join(libs, "lib*openblas*.so*"))):
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            for get_name, set_name in (
-                    ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
-                    ("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-                    ("openblas_get_num_threads", "openblas_set_num_threads"),
-                    ("openblas_get_num_threads64_", "openblas_set_num_threads64_")):
-                get, put = getattr(lib, get_name, None), getattr(lib, set_name, None)
-                if get is not None and put is not None:
-                    found[path] = int(get())
-                    want = n.get(path) if isinstance(n, dict) else n
-                    if want is not None:
-                        put(ctypes.c_int(int(want)))
-                    break
+            control = openblas_control(path)
+            if control:
+                found[path] = int(control[1]())
+                want = n.get(path) if isinstance(n, dict) else n
+                if want is not None:
+                    control[0](int(want))
     return found
 
 
