@@ -126,7 +126,6 @@ def delta_chunked(q, k, v, beta, g, s0, chunk_size: int):
     # stacked w and q made it q's too, with equal values along q's extra dims).
     own = np.broadcast_shapes(kc.shape[:-3], vc.shape[:-3], bc.shape[:-3], gc.shape[:-3],
                               s0.shape[:-2])
-    own = (1,) * (len(batch) - len(own)) + own
-    s = s[tuple(slice(0, 1) if a < b else slice(None) for a, b in zip(own, batch))]
-    return unchunk(out, n), s.reshape(*np.broadcast_shapes(
-        kc.shape[:-3], vc.shape[:-3], bc.shape[:-3], gc.shape[:-3], s0.shape[:-2]), dk, dv)
+    padded = (1,) * (len(batch) - len(own)) + own
+    s = s[tuple(slice(0, 1) if a < b else slice(None) for a, b in zip(padded, batch))]
+    return unchunk(out, n), s.reshape(*own, dk, dv)
