@@ -12,7 +12,8 @@ from .measures import (EPS, Nudge, cast_floating, derived_tolerance, dtype_name,
 from .outputs import HALF, RULES, choose_rule, covers, jitter_scale, rule_factor
 from .problem import prepare, to_bhnd
 from . import rounding
-from .rounding import JITTER_DRAWS, JITTER_SCALE, logit_rounding, sensitivity
+from .rounding import (JITTER_DRAWS, JITTER_SCALE, key_group, logit_rounding, logit_scale,
+                       sensitivity)
 
 __all__ = ["compare_grads", "assert_grads_match", "round_to", "GradComparison", "RULES"]
 
@@ -288,9 +289,7 @@ def _stored_output_rounding(rec, args: dict, options: dict, how: dict, u: float,
         return {}
     q, k, v, do = (np.nan_to_num(args[x], nan=0.0, posinf=0.0, neginf=0.0)
                    for x in ("q", "k", "v", "do"))
-    # grouped heads taken natively (fewer key/value heads): query head i reads i // group
-    group = (q.shape[-3] // k.shape[-3] if q.ndim >= 3 and k.ndim >= 3
-             and k.shape[-3] not in (1, q.shape[-3]) and q.shape[-3] % k.shape[-3] == 0 else 1)
+    group = key_group(q, k)          # grouped key heads taken natively
     s = k.shape[-2]
     a = dict(args, v=np.broadcast_to(np.eye(s), (*args["k"].shape[:-2], s, s)))
     convert = how.get("convert")
@@ -303,8 +302,7 @@ def _stored_output_rounding(rec, args: dict, options: dict, how: dict, u: float,
                        dtype=np.float64)
     p = np.where(np.isfinite(p), p, 0.0)
     k, v = (np.repeat(x, group, axis=-3) for x in (k, v))
-    scale = options.get("scale")
-    scale = abs(float(scale)) if scale is not None else q.shape[-1] ** -0.5
+    scale = logit_scale(options, q.shape[-1])
     delta = u * np.sum(np.abs(do * (p @ v)), axis=-1, keepdims=True)      # (..., n, 1)
     res = {"q": scale * delta * np.abs(p @ k)}
     rng, dk = np.random.default_rng(0), 0.0
@@ -335,9 +333,7 @@ def _cancellation_floor(rec, args: dict, options: dict, eps: float) -> dict:
         return {}
     q, k, v, do = (np.abs(np.nan_to_num(args[x], posinf=0.0, neginf=0.0))
                    for x in ("q", "k", "v", "do"))
-    scale = options.get("scale")
-    scale = abs(float(scale)) if scale is not None else q.shape[-1] ** -0.5
-    base = eps * scale * float(do.max(initial=0.0)) * float(v.max(initial=0.0))
+    base = eps * logit_scale(options, q.shape[-1]) * float(do.max(initial=0.0)) * float(v.max(initial=0.0))
     return {"q": base * float(k.max(initial=0.0)), "k": base * float(q.max(initial=0.0))}
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["JITTER_SCALE", "HALF_JITTER_SCALE", "JITTER_DRAWS", "Jitter", "sensitivity",
-           "logit_sizes", "logit_rounding"]
+           "logit_sizes", "logit_rounding", "key_group", "logit_scale"]
 
 #: The perturbation, in units of the precision's unit roundoff ``u = eps / 2``: a plain
 #: evaluation rounds each operand and each intermediate once, and a dot product of
@@ -92,6 +92,22 @@ def _deviation(res, ref) -> np.ndarray:
         return np.where(seen, np.abs(np.where(seen, res, 0.0) - np.where(seen, ref, 0.0)), 0.0)
 
 
+def key_group(q, k) -> int:
+    """Query heads per key head where ``k (..., h_k, s, d)`` has fewer heads than ``q
+    (..., h, n, d)``, taken natively (query head ``i`` reads key head ``i // group``); 1
+    otherwise (equal or broadcast heads)."""
+    if q.ndim >= 3 and k.ndim >= 3 and k.shape[-3] not in (1, q.shape[-3]) \
+            and q.shape[-3] % k.shape[-3] == 0:
+        return q.shape[-3] // k.shape[-3]
+    return 1
+
+
+def logit_scale(options: dict, d: int) -> float:
+    """``|scale|`` of exact attention's logits: the option, else ``1 / sqrt(d)``."""
+    scale = options.get("scale")
+    return abs(float(scale)) if scale is not None else d ** -0.5
+
+
 def logit_sizes(q, k, options: dict) -> np.ndarray:
     """``|x_ij|``, the magnitudes of the logits ``x = scale q_i . k_j`` (soft-capped) that
     exact attention forms, shape ``(..., n, s)`` (host float64; non-finite entries 0).
@@ -105,12 +121,8 @@ def logit_sizes(q, k, options: dict) -> np.ndarray:
         table = np.asarray(table)
         k = np.take(k, table.reshape(-1), axis=0).reshape(
             table.shape[0], table.shape[1] * k.shape[1], *k.shape[2:]).transpose(0, 2, 1, 3)
-    if q.ndim >= 3 and k.ndim >= 3 and k.shape[-3] not in (1, q.shape[-3]) \
-            and q.shape[-3] % k.shape[-3] == 0:
-        k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
-    scale = options.get("scale")
-    scale = abs(float(scale)) if scale is not None else q.shape[-1] ** -0.5
-    x = scale * np.abs(q @ np.swapaxes(k, -1, -2))
+    x = logit_scale(options, q.shape[-1]) * np.abs(
+        q @ np.swapaxes(np.repeat(k, key_group(q, k), axis=-3), -1, -2))
     cap = options.get("softcap")
     return cap * np.tanh(x / cap) if cap else x
 
