@@ -18,7 +18,7 @@ from .rows import unit_rows
 from .scan import scan
 
 __all__ = ["lsh_hash", "lsh_attention", "lsh_attention_chunked", "lsh_pattern",
-           "lsh_inputs", "lsh_rounds", "SortedRound"]
+           "lsh_inputs", "lsh_rounds", "lsh_own_value", "SortedRound"]
 
 
 def _hash(xp, qk, rot, nb: int, batch: tuple, n: int):
@@ -262,10 +262,12 @@ def lsh_attention(qk, v, rotations, *, num_buckets: int, chunk_size: int, scale:
     return xp.where(has_key, xp.sum(weight * out, axis=-3), v)
 
 
-def lsh_inputs(qk, v, rotations, *, num_buckets: int, key_mask=None):
+def lsh_inputs(qk, v, rotations, *, num_buckets: int, key_mask=None, hash=None):
     """The chunked form's inputs: ``(batch, qk (B, n, d), v (B, n, dv), buckets (B, H,
     n))`` on the flattened broadcast batch, masked tokens' rows zeroed and their bucket
-    ``num_buckets`` (sorted after every real bucket)."""
+    ``num_buckets`` (sorted after every real bucket).  ``hash(qk, rotations,
+    num_buckets)`` gives the buckets (:func:`lsh_hash`; the NumPy engine passes its
+    own)."""
     xp = array_namespace(qk, v)
     batch = _broadcast(_broadcast(qk.shape[:-2], v.shape[:-2]), rotations.shape[:-3])
     if key_mask is not None:
@@ -273,7 +275,8 @@ def lsh_inputs(qk, v, rotations, *, num_buckets: int, key_mask=None):
     n, d, dv, H = qk.shape[-2], qk.shape[-1], v.shape[-1], rotations.shape[-3]
     qk, v = zero_masked_keys(key_mask, qk, v)
     B = math.prod(batch)
-    buckets = _hash(xp, qk, rotations, num_buckets, batch, n)          # (*batch, H, n)
+    buckets = xp.broadcast_to((lsh_hash if hash is None else hash)(qk, rotations, num_buckets),
+                              (*batch, H, n))
     if key_mask is not None:
         buckets = xp.where(key_mask[..., None, :], buckets, num_buckets)
     return (batch, xp.reshape(xp.broadcast_to(qk, (*batch, n, d)), (B, n, d)),
@@ -329,7 +332,13 @@ def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int
                                          key_mask=key_mask)
     out, z = lsh_rounds(qk3, v3, buckets, num_buckets=num_buckets, chunk_size=chunk_size,
                         scale=scale, causal=causal, dedup=dedup)
-    # A token with no other key in any round attends to itself (zeros if padded).
-    # (a NaN z, a row that saw a NaN, keeps its NaN)
-    out = xp.where((z != -xp.inf)[..., None], out, v3)
+    return lsh_own_value(out, z, v3, batch)
+
+
+def lsh_own_value(out, z, v, batch):
+    """The output ``(*batch, n, dv)`` from the merged rounds' ``out (B, n, dv)`` and
+    ``z (B, n)``: a token with no other key in any round (``z = -inf``) attends to itself,
+    its value ``v`` (zeros if padded); a NaN ``z``, a row that saw a NaN, keeps its NaN."""
+    xp = array_namespace(out, v)
+    out = xp.where((z != -xp.inf)[..., None], out, v)
     return xp.reshape(out, (*batch, *out.shape[-2:]))

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
+from .._numpy import lsh as numpy_lsh
 from ..core.engine import entry
 from ..core.checks import (Problem, check_flag, check_key_mask, check_positive_int, check_qkv,
                            check_scale, check_seed)
@@ -266,6 +267,18 @@ def _chunked(call: LshCall, w: Working):
     return reference.lsh_attention_chunked(w.q, w.v, call.rot, **call.options)
 
 
+def _engine(call: LshCall, w: Working):
+    return numpy_lsh.lsh_attention_chunked(w.q, w.v, call.rot, **call.options)
+
+
+def _work(call: LshCall, w: Working) -> int:
+    """Bytes of the engine's largest temporaries: the hash's projections or a round's
+    scores, every batch row."""
+    p = call.p
+    return math.prod(p.batch) * p.n * max(call.rot.shape[-3] * call.rot.shape[-1],
+                                          2 * call.chunk_size) * 4
+
+
 def _check(qk, _qk, v, **options) -> LshCall:
     return checked_lsh(qk, v, **options)
 
@@ -281,9 +294,11 @@ _NONE_MEANS = {"num_buckets": "2 ceil(n / chunk_size), or the count rotations im
                "scale": "1/sqrt(d)"}
 #: The pipeline of :func:`lsh_attention` (``q = k = qk``).
 SPEC = Spec(name="lsh_attention", check=_check, reference=_chunked, dense=_dense,
+            engine=_engine, work=_work,
             scores=lsh_scores, none_means=_NONE_MEANS)
 #: The registry's uniform call: ``q`` is the shared ``qk``; ``k`` is only checked.
 UNIFORM_SPEC = Spec(name="lsh", check=_uniform_check, reference=_chunked, dense=_dense,
+                    engine=_engine, work=_work,
                     scores=lsh_scores, none_means=_NONE_MEANS)
 
 
