@@ -22,9 +22,10 @@ chunk's window and the next one's), the rounds and the blocks of chunks as scans
   costs one host read of ``v`` when every value is finite.
 
 Measured (2 cores, ``(1, 8, n, 64)`` float32, the registry's ``lsh`` call: 4 rounds,
-chunks of 64, ``nb = 2 n / 64``; ``benchmarks/regress.py`` against e6332e9, interleaved,
-best-of): see the numbers below the issue #39 closing note in
-``benchmarks/results/regress.md``.
+chunks of 64, ``nb = 2 n / 64``; ``benchmarks/regress.py`` against e6332e9, 3 interleaved
+rounds, load ~2.4, best-of, plain / causal): 105 / 100 ms against 290 / 295 ms at
+``n = 4096``, 473 / 464 ms against 1381 / 1361 ms at ``n = 16384`` (0.34x; the chunked
+form alone ran 1.07-1.18x e6332e9's at 16384, issue #39).
 """
 from __future__ import annotations
 
