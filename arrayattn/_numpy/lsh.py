@@ -207,7 +207,7 @@ def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int
                           dedup: bool = True):
     """:func:`arrayattn.reference.lsh_attention_chunked` on NumPy."""
     batch, qk3, v3, buckets = lsh_inputs(qk, v, rotations, num_buckets=num_buckets,
-                                         key_mask=key_mask, hash=lsh_hash)
+                                         key_mask=key_mask, hash_fn=lsh_hash)
     out, z = lsh_rounds(qk3, v3, buckets, num_buckets=num_buckets, chunk_size=chunk_size,
                         scale=scale, causal=causal, dedup=dedup)
     return reference.lsh_own_value(out, z, v3, batch)

@@ -262,10 +262,10 @@ def lsh_attention(qk, v, rotations, *, num_buckets: int, chunk_size: int, scale:
     return xp.where(has_key, xp.sum(weight * out, axis=-3), v)
 
 
-def lsh_inputs(qk, v, rotations, *, num_buckets: int, key_mask=None, hash=None):
+def lsh_inputs(qk, v, rotations, *, num_buckets: int, key_mask=None, hash_fn=None):
     """The chunked form's inputs: ``(batch, qk (B, n, d), v (B, n, dv), buckets (B, H,
     n))`` on the flattened broadcast batch, masked tokens' rows zeroed and their bucket
-    ``num_buckets`` (sorted after every real bucket).  ``hash(qk, rotations,
+    ``num_buckets`` (sorted after every real bucket).  ``hash_fn(qk, rotations,
     num_buckets)`` gives the buckets (:func:`lsh_hash`; the NumPy engine passes its
     own)."""
     xp = array_namespace(qk, v)
@@ -275,8 +275,8 @@ def lsh_inputs(qk, v, rotations, *, num_buckets: int, key_mask=None, hash=None):
     n, d, dv, H = qk.shape[-2], qk.shape[-1], v.shape[-1], rotations.shape[-3]
     qk, v = zero_masked_keys(key_mask, qk, v)
     B = math.prod(batch)
-    buckets = xp.broadcast_to((lsh_hash if hash is None else hash)(qk, rotations, num_buckets),
-                              (*batch, H, n))
+    hash_fn = lsh_hash if hash_fn is None else hash_fn
+    buckets = xp.broadcast_to(hash_fn(qk, rotations, num_buckets), (*batch, H, n))
     if key_mask is not None:
         buckets = xp.where(key_mask[..., None, :], buckets, num_buckets)
     return (batch, xp.reshape(xp.broadcast_to(qk, (*batch, n, d)), (B, n, d)),
@@ -327,7 +327,6 @@ def lsh_attention_chunked(qk, v, rotations, *, num_buckets: int, chunk_size: int
     merged by their log-sum-exp.  A token with no key in any round returns its own value;
     padded tokens (``key_mask`` False) hash to an extra last bucket and return 0.
     """
-    xp = array_namespace(qk, v)
     batch, qk3, v3, buckets = lsh_inputs(qk, v, rotations, num_buckets=num_buckets,
                                          key_mask=key_mask)
     out, z = lsh_rounds(qk3, v3, buckets, num_buckets=num_buckets, chunk_size=chunk_size,
