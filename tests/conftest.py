@@ -181,7 +181,7 @@ def implementation(name: str):
 def one_block():
     """The engine with one block per problem (no thread split) however large."""
     from arrayattn._numpy import parallel
-    token = parallel._split.set((1, 1 << 62, 1 << 62))
+    token = parallel._split.set((1, 1 << 62, 1 << 62, None))
     try:
         yield
     finally:

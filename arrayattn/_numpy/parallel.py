@@ -57,7 +57,7 @@ _state = threading.local()   # .inside: a worker of parallel_map; .scratch: its 
 _pool: tuple | None = None   # (executor, workers, pid)
 _blas: tuple | None = None   # (set, get) of the BLAS thread count, or () when not found
 _split: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
-    "arrayattn_split", default=None)   # (threads, min_work, block_bytes) while forced
+    "arrayattn_split", default=None)   # (threads, min_work, block_bytes, units) while forced
 
 
 @contextlib.contextmanager
@@ -112,11 +112,11 @@ def num_threads() -> int:
 
 
 @contextlib.contextmanager
-def split_everything(threads: int = 2):
-    """Inside the block, split every problem into one row (or chunk) per block over
-    ``threads`` threads, whatever its size: how the tests run the split path on small
+def split_everything(threads: int = 2, units: int = 1):
+    """Inside the block, split every problem into blocks of ``units`` rows (or chunks)
+    over ``threads`` threads, whatever its size: how the tests run the split path on small
     inputs (per thread/task, no global state changed)."""
-    token = _split.set((threads, 0, 1))
+    token = _split.set((threads, 0, 1, units))
     try:
         yield
     finally:
@@ -290,17 +290,23 @@ def split_rows(n: int, *, row_bytes: int, align: int = 1) -> list[tuple[int, int
     over the threads (one block for small work and inside a worker).
 
     ``row_bytes`` is the size of one row of the largest temporary of a block (all batch
-    elements).  Blocks hold about :data:`BLOCK_BYTES`, are at least one per thread, and
-    every boundary but the last is a multiple of ``align`` (a chunk size).
+    elements).  Blocks hold about :data:`BLOCK_BYTES` (less, to make their number a
+    multiple of the threads), are at least one per thread, and every boundary but the
+    last is a multiple of ``align`` (a chunk size).
     """
     forced = _split.get()
-    min_work, block_bytes = (MIN_WORK, BLOCK_BYTES) if forced is None else forced[1:]
+    min_work, block_bytes, per_block = ((MIN_WORK, BLOCK_BYTES, None) if forced is None
+                                        else forced[1:])
     threads = num_threads()
     if getattr(_state, "inside", False) or n * row_bytes < min_work:
         return [(0, n)]
     units = -(-n // align)
-    per_block = max(1, block_bytes // max(1, row_bytes * align))   # in units of align
-    blocks = min(units, max(threads, -(-units // per_block)))
+    if per_block is None:   # in units of align
+        per_block = max(1, block_bytes // max(1, row_bytes * align))
+    # a whole number of blocks per thread: the map hands blocks out as threads free up,
+    # so 5 equal blocks on 2 threads take as long as 6 (measured: the causal kernel's
+    # passes at n = 4096 ran 1.2x their balanced time)
+    blocks = min(units, -(-max(threads, -(-units // per_block)) // threads) * threads)
     if blocks < 2:
         return [(0, n)]
     bounds = [min(n, (units * i // blocks) * align) for i in range(blocks + 1)]

@@ -36,6 +36,29 @@ class TestSplitRows:
         assert max(b - a for a, b in blocks) * 2048 <= parallel.BLOCK_BYTES
         assert len(blocks) == 16384 * 2048 // parallel.BLOCK_BYTES
 
+    @pytest.mark.parametrize("threads", [2, 3, 4])
+    @pytest.mark.parametrize("n,row_bytes,align", [
+        (4096, 8 * 65 * 4 + 4 * 8 * 64, 64),    # the causal kernel's blocks at n = 4096
+        (16384, 8 * 65 * 4, 1),                 # its non-causal blocks at n = 16384
+        (1000, 5000, 7)])
+    def test_whole_blocks_per_thread(self, monkeypatch, threads, n, row_bytes, align):
+        """The block count is a multiple of the threads (the map hands out blocks as
+        threads free up: 5 equal blocks on 2 threads take the time of 6), each block
+        within BLOCK_BYTES (up to one chunk of rounding), all rows covered, aligned."""
+        monkeypatch.setenv("ARRAYATTN_NUM_THREADS", str(threads))
+        blocks = parallel.split_rows(n, row_bytes=row_bytes, align=align)
+        assert len(blocks) % threads == 0
+        assert blocks[0][0] == 0 and blocks[-1][1] == n
+        assert all(a1 == b0 and a1 % align == 0 for (_, a1), (b0, _) in
+                   zip(blocks, blocks[1:]))
+        assert max(b - a for a, b in blocks) * row_bytes <= parallel.BLOCK_BYTES \
+            + align * row_bytes
+
+    def test_blocks_of_units(self):
+        with parallel.split_everything(2, units=3):
+            blocks = parallel.split_rows(64, row_bytes=8, align=4)   # 16 chunks of 4
+        assert len(blocks) % 2 == 0 and {b - a for a, b in blocks} <= {8, 12}
+
     def test_small_work_one_block(self, monkeypatch):
         monkeypatch.setenv("ARRAYATTN_NUM_THREADS", "2")
         assert parallel.split_rows(100, row_bytes=64) == [(0, 100)]
