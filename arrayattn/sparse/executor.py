@@ -134,8 +134,8 @@ def cut_chunks(plan, per_slot: int, per_row: int, budget: int, threads: int = 1)
     elements (``per_slot`` a gathered block's, ``per_row`` a row's own); a row whose
     slots alone exceed it is walked in spans of ``span`` slots.  With ``threads``, a
     group cut at all is cut into a multiple of ``threads`` chunks of equal size (the
-    threads take chunks as they free up: 4 chunks of 156, 156, 156 and 44 rows on 2
-    threads take 312 rows' time, 4 of 128 take 256)."""
+    threads take chunks as they free up: 4 chunks of 156, 156, 156 and 44 gathered blocks
+    on 2 threads take 312 blocks' time, 4 of 128 take 256)."""
     chunks = []
     for rows, idx, valid in plan:
         r = idx.shape[1]

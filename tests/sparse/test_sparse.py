@@ -444,7 +444,7 @@ def test_numpy_engine_finite_check():
 def test_engine_chunks_balance_the_threads(threads):
     """The NumPy engine's chunks: every query block once, in order, each group cut into a
     multiple of ``threads`` chunks of equal size (within a block) wherever it is cut at
-    all (4 chunks of 156, 156, 156, 44 rows on 2 threads took 312 rows' time)."""
+    all (4 chunks of 156, 156, 156, 44 gathered blocks on 2 threads took 312 blocks' time)."""
     from arrayattn.sparse.executor import cut_chunks
     from arrayattn.sparse.patterns import local_layout
 
