@@ -219,14 +219,27 @@ def rfa_attention(q, k, v, /, *, num_features=128, seed=0, sigma=1.0, causal=Fal
                eps=eps)
 
 
-def _features(call: RfaCall, w: Working):
-    """``(φ(q̂) / m, φ(k̂))``: the factor ``1/m`` of ``φ(q)·φ(k)`` on the query side, so
-    that the denominator compared with ``eps`` is the documented one."""
+def _maps(call: RfaCall):
+    """``(x -> φ(x̂) / m, x -> φ(x̂))``: the factor ``1/m`` of ``φ(q)·φ(k)`` on the query
+    side, so that the denominator compared with ``eps`` is the documented one.  Maps of
+    the last axis: the NumPy engine applies them to blocks of rows in its threads."""
     p = call.p
     omega = call.features.on(p.xp, dtype=p.work_dtype, device=p.device)
-    phi_q = reference.random_fourier_features(w.q, omega, sigma=call.sigma)
-    phi_k = reference.random_fourier_features(w.k, omega, sigma=call.sigma)
-    return phi_q * (1.0 / call.features.m), phi_k
+
+    def phi_q(x):
+        return reference.random_fourier_features(x, omega, sigma=call.sigma) * (
+            1.0 / call.features.m)
+
+    def phi_k(x):
+        return reference.random_fourier_features(x, omega, sigma=call.sigma)
+
+    return phi_q, phi_k
+
+
+def _features(call: RfaCall, w: Working):
+    """``(φ(q̂) / m, φ(k̂))`` of every token (:func:`_maps`)."""
+    phi_q, phi_k = _maps(call)
+    return phi_q(w.q), phi_k(w.k)
 
 
 def _reference(call: RfaCall, w: Working):
@@ -252,10 +265,10 @@ def _reference(call: RfaCall, w: Working):
 
 def _engine(call: RfaCall, w: Working):
     p = call.p
-    phi_q, phi_k = _features(call, w)
+    phi_q, phi_k = _maps(call)    # made block by block, in the engine's threads
     out, _ = numpy_kernel.kernel_attention(
-        w.v, query_features=numpy_kernel.rows_of(phi_q),
-        key_features=numpy_kernel.rows_of(phi_k), n=p.n, s=p.s, batch=p.batch,
+        w.v, query_features=numpy_kernel.rows_of(w.q, phi_q),
+        key_features=numpy_kernel.rows_of(w.k, phi_k), n=p.n, s=p.s, batch=p.batch,
         causal=call.causal, key_mask=call.key_mask, method=call.method,
         chunk=call.chunk_size, sz0=None, eps=call.eps, m=2 * call.features.m)
     if w.bad is None:
