@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import reference
 from ..core.devices import chunk_elements
-from .._numpy.parallel import num_threads
+from .._numpy.parallel import num_threads, per_thread
 from .._numpy.sparse import CHUNK_SCALE, attend_tiles, drop_bad_values, finite, map_chunks
 from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
@@ -143,7 +143,7 @@ def cut_chunks(plan, per_slot: int, per_row: int, budget: int, threads: int = 1)
         starts = range(0, rows.size, step)
         count = len(starts)
         if threads > 1 and count > 1:
-            count = min(rows.size, -(-count // threads) * threads)
+            count = per_thread(count, threads, rows.size)
             starts = [rows.size * i // count for i in range(count)]
         span = min(r, max(1, budget // per_slot))
         ends = [*starts[1:], rows.size]
