@@ -36,8 +36,7 @@ import math
 import numpy as np
 
 from ..reference.masks import masked_softmax
-from ..reference.nystrom import pinv_razavi
-from .linalg import pinv_svd
+from .linalg import pinv_razavi, pinv_svd
 from .parallel import blas_single, map_rows, parallel_map, reduce_rows, scratch, split_rows
 
 __all__ = ["segment_means", "nystrom_attention", "landmark_attention", "unshifted_sums_ok"]

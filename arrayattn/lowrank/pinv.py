@@ -128,12 +128,12 @@ def pinv(a, /, *, method="svd", iters=6, init="per_matrix", rtol=None,
     return_residual = check_flag("return_residual", return_residual)
     with entry(xp):     # one matrix, no q, k, v: the pipeline's rule, on its size
         if method == "iterative":
-            z = reference.pinv_razavi(wa, iters, init)
+            fast = engine_pays(xp, 4 * math.prod(a.shape) * max(a.shape[-2:]))
+            z = (engine if fast else reference).pinv_razavi(wa, iters, init)
+        elif engine_pays(xp, 4 * math.prod(a.shape) * min(a.shape[-2:])):
+            z = engine.pinv_svd(wa, rtol)
         else:
-            if engine_pays(xp, 4 * math.prod(a.shape) * min(a.shape[-2:])):
-                z = engine.pinv_svd(wa, rtol)
-            else:
-                z = reference.pinv_svd(wa, rtol)
+            z = reference.pinv_svd(wa, rtol)
     out = xp.astype(z, a.dtype, copy=False)
     if return_residual:
         return out, xp.astype(_residual(xp, wa, z), a.dtype, copy=False)

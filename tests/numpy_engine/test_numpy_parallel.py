@@ -144,6 +144,28 @@ def test_svd_pinv_split_equals_whole(rng):
     np.testing.assert_array_equal(whole, np.linalg.pinv(a, rtol=rtol))
 
 
+@pytest.mark.parametrize("init", ["per_matrix", "global"])
+def test_razavi_pinv_split_equals_reference(rng, init):
+    """The NumPy engine's iterative pinv: the start made on the whole batch (the global
+    start's maxima over all heads), then groups of whole matrices in threads, each
+    running the reference's products: the reference's result bit for bit."""
+    from arrayattn import reference
+    from arrayattn._numpy import linalg as engine
+    from arrayattn._numpy.parallel import split_everything, split_rows
+    # heads of very different sharpness: a global start differs from per-matrix ones
+    a = rng.standard_normal((3, 4, 6, 5)) * rng.uniform(0.1, 10.0, (3, 4, 1, 1))
+    a = a.astype(np.float32)
+    ref = reference.pinv_razavi(a, 7, init)
+    with split_everything(2):
+        assert len(split_rows(12, row_bytes=4 * 6 * 5 * 6)) > 1
+        split = engine.pinv_razavi(a, 7, init)
+    assert split.shape == (3, 4, 5, 6)
+    np.testing.assert_array_equal(split, ref)
+    np.testing.assert_array_equal(engine.pinv_razavi(a, 7, init), ref)
+    other = reference.pinv_razavi(a, 7, "global" if init == "per_matrix" else "per_matrix")
+    assert not np.array_equal(split, other)   # the start's rule reaches the groups
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_blockwise_exact_split_is_bit_identical(rng, causal):
     """Blockwise exact attention splits whole query blocks over threads: every output
