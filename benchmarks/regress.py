@@ -15,7 +15,13 @@ revision and a fresh process on the head, then the other order in the next round
 normal, seed 0: one warm-up call, then up to ``--calls`` timed calls within ``--budget``
 seconds (a case whose warm-up alone takes longer than ``--budget`` is timed by that one
 call).  Per side, the best over all calls and rounds; the ratio head/base; a flag where it
-exceeds ``--factor`` (1.05, as ``asv continuous -f 1.05``).
+exceeds ``--factor`` (1.05, as ``asv continuous -f 1.05``).  Then each flagged case is
+measured again, ``--confirm`` more interleaved rounds of up to ``--confirm-calls`` calls a
+process (long processes: the first calls' page faults and a drifting machine weigh less),
+and stays flagged only where that rerun's best-of ratio exceeds the factor too: on a
+machine whose speed moves by 10-40 % within minutes, a one-pass flag was as often noise
+as a regression (2026-11-26/27: 11 of 106 rows flagged in one pass, each different from
+the previous pass's, all but one within on a long-process rerun).
 
 Revisions other than the work tree are checked out with ``git worktree add
 /tmp/regress_<sha> <sha>`` (removed at the end unless ``--keep``; an existing checkout
@@ -161,8 +167,8 @@ def _listing(side: Checkout) -> dict:
     return data["causal"]
 
 
-def _measure(side: Checkout, cases: list, args) -> dict:
-    spec = {"cases": cases, "heads": args.heads, "calls": args.calls,
+def _measure(side: Checkout, cases: list, args, calls: int) -> dict:
+    spec = {"cases": cases, "heads": args.heads, "calls": calls,
             "budget": args.budget, "seed": 0}
     try:
         res = side.python(_CHILD, json.dumps(spec), timeout=args.timeout,
@@ -196,6 +202,53 @@ def _fmt_ms(x):
     return "n/a" if x is None else f"{x * 1e3:.1f}"
 
 
+def _fmt_ratio(x):
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _rounds(sides: dict, groups: list, rounds: int, calls: int, args, t_start) -> dict:
+    """``rounds`` interleaved rounds over the case ``groups``: per group a fresh process
+    per side, the sides' order alternating; ``{side: {case key: [result per round]}}``."""
+    raw = {"base": {}, "head": {}}
+    for r in range(rounds):
+        order = ("base", "head") if r % 2 == 0 else ("head", "base")
+        for cases in groups:
+            for side in order:
+                for key, res in _measure(sides[side], cases, args, calls).items():
+                    raw[side].setdefault(key, []).append(res)
+                    if "error" in res:
+                        print(f"  {side} {key}: {res['error']}", file=sys.stderr)
+        print(f"round {r + 1}/{rounds} done ({time.perf_counter() - t_start:.0f} s)",
+              file=sys.stderr)
+    return raw
+
+
+def _rows(groups: list, raw: dict, factor: float) -> list:
+    """Per case: each side's best time over all calls and rounds and its per-round bests,
+    the best-of ratio head/base, the median of the per-round ratios (*paired*) and the
+    flag (ratio above ``factor``)."""
+    rows = []
+    for cases in groups:
+        for nm, n, causal in cases:
+            key = f"{nm}|{n}|{int(causal)}"
+            row = {"variant": nm, "n": n, "causal": causal}
+            for side in ("base", "head"):
+                res = raw[side].get(key, [])
+                secs = [t for x in res for t in x.get("seconds", [])]
+                row[side] = min(secs) if secs else None
+                row[side + "_rounds"] = [min(x["seconds"]) for x in res if x.get("seconds")]
+                why = next((x.get("skip") or x.get("error") for x in res
+                            if "skip" in x or "error" in x), None)
+                if why:
+                    row[side + "_note"] = why
+            pairs = [h / b for b, h in zip(row["base_rounds"], row["head_rounds"])]
+            row["paired"] = sorted(pairs)[len(pairs) // 2] if pairs else None
+            row["ratio"] = row["head"] / row["base"] if row["base"] and row["head"] else None
+            row["flag"] = row["ratio"] is not None and row["ratio"] > factor
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,6 +264,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=3, help="timed calls per process at most")
     ap.add_argument("--budget", type=float, default=5.0,
                     help="seconds per case and process after which no further call starts")
+    ap.add_argument("--confirm", type=int, default=4,
+                    help="rounds of the rerun of each flagged case (0: no rerun)")
+    ap.add_argument("--confirm-calls", type=int, default=20,
+                    help="timed calls per process at most in the rerun")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--factor", type=float, default=1.05,
                     help="flag head/base above this ratio")
@@ -248,47 +305,30 @@ def main(argv=None) -> int:
             for n in sizes:
                 groups.append([(nm, n, False)] + ([(nm, n, True)] if can_causal
                                                   and not args.no_causal else []))
-        raw = {"base": {}, "head": {}}
-        for r in range(args.rounds):
-            order = ("base", "head") if r % 2 == 0 else ("head", "base")
-            for cases in groups:
-                for side in order:
-                    for key, res in _measure(sides[side], cases, args).items():
-                        raw[side].setdefault(key, []).append(res)
-                        if "error" in res:
-                            print(f"  {side} {key}: {res['error']}", file=sys.stderr)
-            print(f"round {r + 1}/{args.rounds} done "
-                  f"({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
+        raw = _rounds(sides, groups, args.rounds, args.calls, args, t_start)
+        rows = _rows(groups, raw, args.factor)
+        again = [[c for c in cases if any(r["flag"] and (r["variant"], r["n"], r["causal"])
+                                          == c for r in rows)] for cases in groups]
+        again = [cases for cases in again if cases]
+        confirm_raw = None
+        if again and args.confirm > 0:
+            print(f"rerun of {sum(map(len, again))} flagged case(s)", file=sys.stderr)
+            confirm_raw = _rounds(sides, again, args.confirm, args.confirm_calls, args,
+                                  t_start)
+            rerun = {(r["variant"], r["n"], r["causal"]): r
+                     for r in _rows(again, confirm_raw, args.factor)}
+            for row in rows:
+                second = rerun.get((row["variant"], row["n"], row["causal"]))
+                if second is not None:
+                    row["rerun"], row["rerun_paired"] = second["ratio"], second["paired"]
+                    row["rerun_base"], row["rerun_head"] = second["base"], second["head"]
+                    row["flag"] = second["flag"]
     finally:
         for c in sides.values():
             c.close()
 
-    rows = []
-    for cases in groups:
-        for nm, n, causal in cases:
-            key = f"{nm}|{n}|{int(causal)}"
-            row = {"variant": nm, "n": n, "causal": causal}
-            for side in ("base", "head"):
-                res = raw[side].get(key, [])
-                secs = [t for x in res for t in x.get("seconds", [])]
-                per_round = [min(x["seconds"]) for x in res if x.get("seconds")]
-                row[side] = min(secs) if secs else None
-                row[side + "_rounds"] = per_round
-                why = next((x.get("skip") or x.get("error") for x in res
-                            if "skip" in x or "error" in x), None)
-                if why:
-                    row[side + "_note"] = why
-            pairs = [h / b for b, h in zip(row["base_rounds"], row["head_rounds"])]
-            row["paired"] = sorted(pairs)[len(pairs) // 2] if pairs else None
-            if row["base"] and row["head"]:
-                row["ratio"] = row["head"] / row["base"]
-                row["flag"] = row["ratio"] > args.factor
-            else:
-                row["ratio"] = None
-                row["flag"] = False
-            rows.append(row)
-
     flagged = [r for r in rows if r["flag"]]
+    reruns = any("rerun" in r for r in rows)
     head_label = sides["head"].label
     lines = [
         "# Speed-regression A/B (benchmarks/regress.py)", "",
@@ -304,16 +344,23 @@ def main(argv=None) -> int:
         f"Machine: {_machine()}; load average {load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end; {started}, "
         f"{time.perf_counter() - t_start:.0f} s.", "",
-        f"**{len(flagged)} of {sum(r['ratio'] is not None for r in rows)} cases flagged.**",
-        "", "| variant | n | causal | base ms | head ms | head/base | paired | flag |",
-        "|---|---:|---|---:|---:|---:|---:|---|"]
+        f"**{len(flagged)} of {sum(r['ratio'] is not None for r in rows)} cases flagged**"
+        + (f" ({sum('rerun' in r for r in rows)} over {args.factor:g} in the first pass, "
+           f"rerun: {args.confirm} rounds of up to {args.confirm_calls} calls a process; "
+           "*rerun*: its best-of ratio / paired)." if reruns else "."),
+        "", "| variant | n | causal | base ms | head ms | head/base | paired | "
+        + ("rerun | " if reruns else "") + "flag |",
+        "|---|---:|---|---:|---:|---:|---:|" + ("---:|" if reruns else "") + "---|"]
     for r in rows:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        paired = "n/a" if r["paired"] is None else f"{r['paired']:.3f}"
         note = r.get("head_note") or r.get("base_note") or ""
         flag = "**SLOWER**" if r["flag"] else note
+        rerun = ""
+        if reruns:
+            rerun = (f"{_fmt_ratio(r['rerun'])} / {_fmt_ratio(r['rerun_paired'])} | "
+                     if "rerun" in r else " | ")
         lines.append(f"| {r['variant']} | {r['n']} | {'yes' if r['causal'] else 'no'} | "
-                     f"{_fmt_ms(r['base'])} | {_fmt_ms(r['head'])} | {ratio} | {paired} | {flag} |")
+                     f"{_fmt_ms(r['base'])} | {_fmt_ms(r['head'])} | {_fmt_ratio(r['ratio'])} "
+                     f"| {_fmt_ratio(r['paired'])} | {rerun}{flag} |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)
@@ -323,6 +370,8 @@ def main(argv=None) -> int:
         json.dump({"base": sides["base"].sha, "base_label": sides["base"].label,
                    "head": sides["head"].sha, "head_label": head_label,
                    "factor": args.factor, "rounds": args.rounds, "calls": args.calls,
+                   "confirm": args.confirm, "confirm_calls": args.confirm_calls,
+                   "confirm_raw": confirm_raw,
                    "budget": args.budget, "heads": args.heads, "sizes": sizes,
                    "threads": args.threads,
                    "machine": _machine(), "started": started, "rows": rows,

@@ -258,9 +258,10 @@ def test_regress_ab_smoke(tmp_path):
                               text=True).stdout
     before = worktrees()
     mod = load_benchmark("regress", "bench_regress")
-    code = mod.main(["--base", "HEAD", "--names", "^linear_relu$", "--sizes", "64",
-                     "--rounds", "2", "--heads", "1", "--calls", "1",
-                     "--out", str(tmp_path), "--checkouts", str(tmp_path)])
+    common = ["--base", "HEAD", "--names", "^linear_relu$", "--sizes", "64", "--heads", "1",
+              "--calls", "1", "--confirm", "1", "--confirm-calls", "2",
+              "--checkouts", str(tmp_path)]
+    code = mod.main([*common, "--rounds", "2", "--out", str(tmp_path)])
     assert code in (0, 1)  # 1: a flagged case (timings of a tiny call are noise)
     data = json.loads((tmp_path / "regress.json").read_text())
     rows = data["rows"]
@@ -269,8 +270,18 @@ def test_regress_ab_smoke(tmp_path):
     assert all(r["base"] > 0 and r["head"] > 0 and r["ratio"] > 0 for r in rows)
     assert all(len(r["base_rounds"]) == len(r["head_rounds"]) == 2 for r in rows)
     assert code == int(any(r["flag"] for r in rows))
+    # a flag stands only where the rerun of that case also exceeds the factor
+    assert all(r["flag"] <= ("rerun" in r and r["rerun"] > 1.05) for r in rows)
     md = (tmp_path / "regress.md").read_text()
     assert md.count("| linear_relu | 64 |") == 2 and "head/base" in md
+    assert worktrees() == before and not list(tmp_path.glob("regress_*"))
+    # --factor 0: every case flagged in the first pass, rerun, and flagged again
+    code = mod.main([*common, "--rounds", "1", "--factor", "0", "--out", str(tmp_path / "f")])
+    rows = json.loads((tmp_path / "f" / "regress.json").read_text())["rows"]
+    assert code == 1 and all(r["flag"] and r["rerun"] > 0 and r["rerun_paired"] > 0
+                             for r in rows)
+    md = (tmp_path / "f" / "regress.md").read_text()
+    assert "**2 of 2 cases flagged** (2 over 0 in the first pass" in md and "| rerun |" in md
     assert worktrees() == before and not list(tmp_path.glob("regress_*"))
 
 
