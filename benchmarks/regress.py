@@ -21,7 +21,10 @@ process (long processes: the first calls' page faults and a drifting machine wei
 and stays flagged only where that rerun's best-of ratio exceeds the factor too: on a
 machine whose speed moves by 10-40 % within minutes, a one-pass flag was as often noise
 as a regression (2026-11-26/27: 11 of 106 rows flagged in one pass, each different from
-the previous pass's, all but one within on a long-process rerun).
+the previous pass's, all but one within on a long-process rerun).  ``--steady-malloc``
+runs both sides with glibc's malloc keeping freed memory (most of that noise was page
+faults: a call's temporaries freed back to the system and faulted in again per 4 KiB on
+the next call).
 
 Revisions other than the work tree are checked out with ``git worktree add
 /tmp/regress_<sha> <sha>`` (removed at the end unless ``--keep``; an existing checkout
@@ -89,13 +92,18 @@ for name, n, causal in spec["cases"]:
                 t0 = time.perf_counter()
                 rec(q, k, v, **opts)
                 times.append(time.perf_counter() - t0)
-        out["cases"][key] = {"seconds": times}
+        out["cases"][key] = {"seconds": times, "malloc": os.environ.get("GLIBC_TUNABLES", "")}
     except Exception as exc:  # reported per case; the other cases go on
         out["cases"][key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     del q, k, v
 print("REGRESS_RESULT " + json.dumps(out))
 """
 
+
+#: glibc's malloc told to keep freed memory (allocations up to 32 MiB from the heap, no
+#: trim below 256 MiB): a call's temporaries are then the previous call's pages, not fresh
+#: ones that fault in per 4 KiB (see docs/conventions.rst, *Memory between calls*).
+STEADY_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456"
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -143,11 +151,13 @@ class Checkout:
             self.created = False
 
     def python(self, code: str, *args: str, timeout: float | None = None,
-               threads: int | None = None):
+               threads: int | None = None, steady_malloc: bool = False):
         env = dict(os.environ, PYTHONPATH=self.path)
         if threads:
             for var in _THREAD_VARS:
                 env[var] = str(threads)
+        if steady_malloc:
+            env["GLIBC_TUNABLES"] = STEADY_MALLOC
         res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
                              text=True, cwd=self.path, env=env, timeout=timeout)
         return res
@@ -172,7 +182,7 @@ def _measure(side: Checkout, cases: list, args, calls: int) -> dict:
             "budget": args.budget, "seed": 0}
     try:
         res = side.python(_CHILD, json.dumps(spec), timeout=args.timeout,
-                          threads=args.threads)
+                          threads=args.threads, steady_malloc=args.steady_malloc)
     except subprocess.TimeoutExpired:
         return {f"{c[0]}|{c[1]}|{int(c[2])}": {"error": f"timeout after {args.timeout} s"}
                 for c in cases}
@@ -276,6 +286,12 @@ def main(argv=None) -> int:
                     help="set OMP/OPENBLAS/MKL_NUM_THREADS in the children (default: "
                          "inherit; 1 steadies the numbers on a loaded machine, but then a "
                          "change in multi-threaded BLAS use goes unseen)")
+    ap.add_argument("--steady-malloc", action="store_true",
+                    help="run both sides' children with glibc's malloc keeping freed memory "
+                         "(GLIBC_TUNABLES, see STEADY_MALLOC): the page faults of fresh "
+                         "temporaries, 20-50 %% of many calls here and most of the noise "
+                         "between runs, are left out; a change that allocates more per call "
+                         "shows only without it (or in asv's peakmem)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     ap.add_argument("--out", default=os.path.join(HERE, "results"),
                     help="folder for regress.md and regress.json")
@@ -340,7 +356,10 @@ def main(argv=None) -> int:
         f"within {args.budget:g} s.  *paired*: the median over rounds of the "
         "ratio of the two sides' back-to-back processes (a check on the best-of ratio when "
         "the machine drifts).  BLAS threads: "
-        f"{args.threads or 'inherited'}.  Flag: head/base > {args.factor:g}.",
+        f"{args.threads or 'inherited'}.  malloc: "
+        + ("steady (GLIBC_TUNABLES keeps freed memory: no page faults of fresh "
+           "temporaries)" if args.steady_malloc else "glibc's defaults") +
+        f".  Flag: head/base > {args.factor:g}.",
         f"Machine: {_machine()}; load average {load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end; {started}, "
         f"{time.perf_counter() - t_start:.0f} s.", "",
@@ -373,7 +392,7 @@ def main(argv=None) -> int:
                    "confirm": args.confirm, "confirm_calls": args.confirm_calls,
                    "confirm_raw": confirm_raw,
                    "budget": args.budget, "heads": args.heads, "sizes": sizes,
-                   "threads": args.threads,
+                   "threads": args.threads, "steady_malloc": args.steady_malloc,
                    "machine": _machine(), "started": started, "rows": rows,
                    "raw": raw}, fh, indent=1)
     return 1 if flagged else 0

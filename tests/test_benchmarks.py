@@ -276,10 +276,16 @@ def test_regress_ab_smoke(tmp_path):
     assert md.count("| linear_relu | 64 |") == 2 and "head/base" in md
     assert worktrees() == before and not list(tmp_path.glob("regress_*"))
     # --factor 0: every case flagged in the first pass, rerun, and flagged again
-    code = mod.main([*common, "--rounds", "1", "--factor", "0", "--out", str(tmp_path / "f")])
-    rows = json.loads((tmp_path / "f" / "regress.json").read_text())["rows"]
+    code = mod.main([*common, "--rounds", "1", "--factor", "0", "--steady-malloc",
+                     "--out", str(tmp_path / "f")])
+    data = json.loads((tmp_path / "f" / "regress.json").read_text())
+    rows = data["rows"]
     assert code == 1 and all(r["flag"] and r["rerun"] > 0 and r["rerun_paired"] > 0
                              for r in rows)
+    assert data["steady_malloc"] and "malloc: steady" in (tmp_path / "f" / "regress.md").read_text()
+    children = [x for side in ("raw", "confirm_raw") for runs in data[side].values()
+                for results in runs.values() for x in results]
+    assert children and all(x["malloc"] == mod.STEADY_MALLOC for x in children)
     md = (tmp_path / "f" / "regress.md").read_text()
     assert "**2 of 2 cases flagged** (2 over 0 in the first pass" in md and "| rerun |" in md
     assert worktrees() == before and not list(tmp_path.glob("regress_*"))
