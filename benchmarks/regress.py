@@ -338,7 +338,8 @@ def main(argv=None) -> int:
                 if second is not None:
                     row["rerun"], row["rerun_paired"] = second["ratio"], second["paired"]
                     row["rerun_base"], row["rerun_head"] = second["base"], second["head"]
-                    row["flag"] = second["flag"]
+                    if second["ratio"] is not None:   # a rerun that failed keeps the flag
+                        row["flag"] = second["flag"]
     finally:
         for c in sides.values():
             c.close()
