@@ -323,8 +323,8 @@ def main(argv=None) -> int:
                                                   and not args.no_causal else []))
         raw = _rounds(sides, groups, args.rounds, args.calls, args, t_start)
         rows = _rows(groups, raw, args.factor)
-        again = [[c for c in cases if any(r["flag"] and (r["variant"], r["n"], r["causal"])
-                                          == c for r in rows)] for cases in groups]
+        flagged_cases = {(r["variant"], r["n"], r["causal"]) for r in rows if r["flag"]}
+        again = [[c for c in cases if c in flagged_cases] for cases in groups]
         again = [cases for cases in again if cases]
         confirm_raw = None
         if again and args.confirm > 0:

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..reference.nystrom import razavi_scale, razavi_step
+from ..reference.nystrom import razavi_start, razavi_step
 from ..reference.scan import fori
 from .parallel import parallel_map, split_rows
 
@@ -50,7 +50,7 @@ def pinv_razavi(a, iters: int, init: str = "per_matrix"):
     ``"global"`` start takes its norms' maxima over all of it), then each group runs the
     same :func:`~arrayattn.reference.razavi_step` products as the reference."""
     p, q = a.shape[-2], a.shape[-1]
-    z = a.mT * razavi_scale(a, init)[0]
+    z = razavi_start(a, init)
     # A matrix's work ~ p q max(p, q) per product stands in for its bytes.
     return _by_groups(lambda a, z: fori(lambda z: razavi_step(a, z), z, iters), [a, z],
                       4 * p * q * max(p, q))

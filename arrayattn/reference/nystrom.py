@@ -21,7 +21,7 @@ from .scan import fori
 
 __all__ = ["masked_segment_means", "pinv_svd", "pinv_razavi", "nystrom_attention",
            "landmark_attention", "depthwise_conv", "segment_sums", "landmarks", "and_masks",
-           "as_columns", "as_rows", "razavi_scale", "razavi_step"]
+           "as_columns", "as_rows", "razavi_scale", "razavi_start", "razavi_step"]
 
 
 def segment_sums(x, m: int):
@@ -78,9 +78,14 @@ def pinv_razavi(a, iters: int, init: str = "per_matrix"):
     :math:`Z_0 = A^\top / (\lVert A\rVert_1 \lVert A\rVert_\infty)`, the norms per matrix
     (``init="per_matrix"``) or their maxima over the whole batch (``"global"``, as the
     official Nyströmformer code).  A zero matrix gives ``Z = 0``."""
+    return fori(lambda z: razavi_step(a, z), razavi_start(a, init), iters)
+
+
+def razavi_start(a, init: str = "per_matrix"):
+    r"""Razavi's start :math:`Z_0 = A^\top / (\lVert A\rVert_1 \lVert A\rVert_\infty)`
+    (:func:`razavi_scale`; ``init="global"``: the norms' maxima over the whole batch)."""
     xp = array_namespace(a)
-    z = xp.matrix_transpose(a) * razavi_scale(a, init)[0]
-    return fori(lambda z: razavi_step(a, z), z, iters)
+    return xp.matrix_transpose(a) * razavi_scale(a, init)[0]
 
 
 def razavi_step(a, z):
