@@ -11,7 +11,7 @@ from .measures import (EPS, Nudge, cast_floating, derived_tolerance, dtype_name,
                        head_errors, host64, is_array, own_head_error, round_to)
 from .outputs import HALF, RULES, choose_rule, covers, jitter_scale, rule_factor
 from .problem import prepare, to_bhnd
-from . import rounding
+from . import plain, rounding
 from .rounding import (JITTER_DRAWS, JITTER_SCALE, key_group, logit_rounding, logit_scale,
                        sensitivity)
 
@@ -124,6 +124,7 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     if not grads:
         raise ValueError("grads is empty: give at least one of dq, dk, dv, ...")
     dtypes, rule, half = _dtypes_and_rule(grads, rule, (q, k, v, do))
+    strict = rule == "same-dtype"       # a less accurate head fails (its own class)
     rec, args, options, theirs, how = _host_problem(grads, variant, q, k, v, do, params,
                                                     layout, profile)
     ref = _vjp(rec, args, options, "float64", how=how)
@@ -137,15 +138,23 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
                                           len(errors[name].heads))[0]) for name in theirs)
 
     own = _baseline(rec, args, options, dtypes, rule, half, ref, how, covered)
-    items = {}
+    items, lenient = {}, None
     for name, g in theirs.items():
         dt = dtype_name(grads[name])
         own_err, _ = own_head_error(ref[name] + own[name], ref[name], len(errors[name].heads))
         tol = derived_tolerance(errors[name], own_err, dt, rtol=rtol, atol=atol,
                                 factor=rule_factor(rule, factor))
+        loose = None
+        over = ~(np.isfinite(errors[name].max_abs) & (errors[name].max_abs <= tol))
+        if rule == "same-dtype" and rtol is None and over.any():
+            if lenient is None:     # the float64 rule's baseline, for the class between
+                lenient = _baseline(rec, args, options, dtypes, "float64", None, ref, how)
+            loose = derived_tolerance(errors[name], own_head_error(
+                ref[name] + lenient[name], ref[name], len(errors[name].heads))[0], dt,
+                rtol=None, atol=atol)
         items[name] = Comparison.of(f"{rec.name} d{name}", dt, errors[name], tol, own_err,
                                     profile=None if profile is None else str(profile),
-                                    rule=rule)
+                                    rule=rule, lenient=loose, strict=strict)
     return GradComparison(rec.name, items, rule)
 
 
@@ -186,7 +195,7 @@ def _host_problem(grads, variant, q, k, v, do, params, layout, profile):
     if heads and problem.k.ndim >= 3 and problem.k.shape[-3] != heads:
         groups = problem.k.shape[-3] // heads
     return (get_variant(problem.name), args, problem.options, theirs,
-            {"groups": groups, "convert": problem.convert,
+            {"groups": groups, "convert": problem.convert, "problem": problem,
              "shift": problem.lse_shift if problem.name == "softmax" else None})
 
 
@@ -228,30 +237,51 @@ def _check_shapes(name: str, theirs: dict, ref: dict) -> None:
 
 def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str, half, ref: dict,
               how: dict, covered=None) -> dict:
-    """The baseline error of each gradient (elementwise): the larger of a plain evaluation's
-    error (``same-dtype``: from inputs rounded to the half dtype, in float32, each gradient
-    rounded once; ``float64``: in the working precision from inputs perturbed by one unit
-    roundoff) and the float64 gradients' response to that precision's rounding
-    (:func:`~arrayattn.testing.rounding.sensitivity`)."""
+    """The baseline error of each gradient (elementwise): the worst of the plain
+    evaluations of the convention's forms (:mod:`arrayattn.testing.plain`) -- under
+    ``same-dtype`` the half ensemble (from inputs rounded to the half dtype, in float32,
+    each gradient rounded once; every product rounded to the half dtype) and nothing else,
+    FlashAttention's rule; under ``float64`` the working-precision ensemble (inputs
+    perturbed by one unit roundoff, the scale first, blockwise, the gated chunk forms)
+    and, where that does not already cover every head, the float64 gradients' response to
+    rounding (:func:`~arrayattn.testing.rounding.sensitivity`), kept where larger.  Rows
+    whose softmax gradient cancels get :func:`_cancellation_floor` in both."""
+    def backward(a, o, dtype, nudge):
+        return _vjp(rec, a, o, dtype, nudge, how=how, options_too=False)
+
+    problem = how.get("problem")
+    start = {}
     if rule == "same-dtype":
         own = _vjp(rec, args, options, "float32", lambda x: round_to(x, half), how=how,
                    options_too=False)
-        own = {name: round_to(g, half) for name, g in own.items()}
-        eps = EPS[half]
+        for name, g in own.items():
+            if name in ref:
+                with np.errstate(invalid="ignore"):
+                    err = np.abs(np.where(np.isfinite(ref[name]),
+                                          round_to(g, half) - ref[name], 0.0))
+                start[name] = np.where(np.isfinite(err), err, 0.0)
+        eps, work = EPS[half], "float32"
     else:
         work = "float64" if dtypes == {"float64"} else "float32"
-        own = _vjp(rec, args, options, work, Nudge(work), how=how, options_too=False)
         eps = EPS[work]
-    floor = _cancellation_floor(rec, args, options, eps)
-    res = {}
-    for name in ref:
-        with np.errstate(invalid="ignore"):
-            err = np.abs(np.where(np.isfinite(ref[name]), own[name] - ref[name], 0.0))
-        res[name] = np.where(np.isfinite(err), err, 0.0)
-        if name in floor:      # rows that cancel: every entry below the terms' rounding
-            fin = np.where(np.isfinite(ref[name]), np.abs(ref[name]), 0.0)
-            cancelled = fin.max(axis=-1, keepdims=True, initial=0.0) <= floor[name]
-            res[name] = np.where(cancelled, np.maximum(res[name], floor[name]), res[name])
+    # the half forms carry a cancelling row's rounding themselves (D from the stored output)
+    floor = {} if rule == "same-dtype" else _cancellation_floor(rec, args, options, eps)
+
+    def floored(errors: dict) -> dict:
+        res = dict(errors)
+        for name in floor:     # rows that cancel: every entry below the terms' rounding
+            if name in res:
+                fin = np.where(np.isfinite(ref[name]), np.abs(ref[name]), 0.0)
+                cancelled = fin.max(axis=-1, keepdims=True, initial=0.0) <= floor[name]
+                res[name] = np.where(cancelled, np.maximum(res[name], floor[name]), res[name])
+        return res
+
+    res = floored(plain.grad_baseline(
+        problem, backward, args, options, ref, work=work, half=half if rule == "same-dtype"
+        else None, how=how, start=start,
+        covered=None if covered is None else (lambda worst: covered(floored(worst)))))
+    if rule == "same-dtype":
+        return res
     if covered is not None and not rounding.MEASURE_ALWAYS and covered(res):
         return res     # the response to rounding can only raise the tolerance
     row = _row_jitter(rec, args, options, how, eps * jitter_scale(rule) / JITTER_SCALE)
