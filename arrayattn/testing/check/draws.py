@@ -50,7 +50,7 @@ def _clear_cache(providers) -> None:
         inner.clear()
 
 
-def _empty(providers):
+def _empty():
     """An empty pool of local constants (the type Hypothesis returns)."""
     try:
         from hypothesis.internal.constants_ast import Constants
@@ -83,7 +83,7 @@ def local_constants_off():
     with _lock:
         if _depth[0] == 0:
             original = providers._get_local_constants
-            empty = _empty(providers)
+            empty = _empty()
             providers._get_local_constants = lambda: empty
             _clear_cache(providers)
         _depth[0] += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .cases import HALF, Case, case_strategy, catalogue, smaller
 from .draws import local_constants_off
@@ -248,11 +248,13 @@ def _only_out_of_time(exc: BaseException) -> bool:
 
 
 def _hypothesis_gave_up(exc: BaseException, hyp) -> bool:
-    """Whether ``exc`` is Hypothesis's own (Flaky, Unsatisfiable ...), alone or with
-    OutOfTime/Found in a group: the search goes on with what it found."""
+    """Whether ``exc`` is Hypothesis giving up on an unreliable condition (Flaky and its
+    kinds, Unsatisfiable), alone or with OutOfTime/Found in a group: the search goes on
+    with what it found.  Any other error (a bug of the checker) is raised."""
     inner = getattr(exc, "exceptions", None)
-    if isinstance(exc, hyp.errors.HypothesisException) or type(exc).__name__ in (
-            "Flaky", "FlakyFailure", "FlakyStrategyDefinition", "FlakyReplay"):
+    kinds = tuple(getattr(hyp.errors, name) for name in ("Flaky", "Unsatisfiable")
+                  if isinstance(getattr(hyp.errors, name, None), type))
+    if isinstance(exc, kinds) or type(exc).__name__.startswith("Flaky"):
         return True
     if isinstance(inner, (tuple, list)):
         return all(_hypothesis_gave_up(e, hyp) or _only_out_of_time(e) for e in inner)

@@ -209,6 +209,16 @@ def test_flaky_kernel_through_the_cli(kernels, capsys):
     assert report["failure"]["lines"] and not report["rerun"]["fails"]
 
 
+def test_hypothesis_giving_up_on_a_flaky_condition_is_not_a_crash():
+    import hypothesis
+
+    gave_up = search_mod._hypothesis_gave_up
+    assert gave_up(hypothesis.errors.Flaky("unreliable"), hypothesis)
+    assert gave_up(hypothesis.errors.Unsatisfiable("no"), hypothesis)
+    assert not gave_up(ValueError("a bug of the checker"), hypothesis)
+    assert not gave_up(hypothesis.errors.InvalidArgument("settings"), hypothesis)
+
+
 # -- 4. the validate command as printed --------------------------------------------------
 class WindowAdapter:
     """A custom convention with arrayattn's ``window=(left, right)`` (a tuple option)."""
