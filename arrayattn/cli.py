@@ -29,12 +29,15 @@ class UsageError(Exception):
 
 
 def parse_option(text: str):
-    """``"key=value"`` -> ``(key, value)``, value parsed as bool, None, int, float or str.
+    """``"key=value"`` -> ``(key, value)``, value parsed as bool, None, int, float, a tuple
+    of numbers (``3,0``, ``(3, 0)``, ``[3, 0]``, ``(none, 0)``: windows) or str.
 
     >>> parse_option("num_features=64"), parse_option("causal=true")
     (('num_features', 64), ('causal', True))
     >>> parse_option("scale=0.125"), parse_option("kind=positive"), parse_option("x=none")
     (('scale', 0.125), ('kind', 'positive'), ('x', None))
+    >>> parse_option("window=(3, 0)"), parse_option("window_size=-1,0")
+    (('window', (3, 0)), ('window_size', (-1, 0)))
     """
     key, sep, raw = text.partition("=")
     key = key.strip()
@@ -42,17 +45,32 @@ def parse_option(text: str):
         raise UsageError(f"--option expects key=value with a Python identifier as key; "
                          f"got {text!r}")
     raw = raw.strip()
+    value = _scalar_text(raw)
+    if value is _TEXT and ("," in raw or raw[:1] in "([" and raw[-1:] in ")]"):
+        inner = raw[1:-1] if raw[:1] in "([" and raw[-1:] in ")]" else raw
+        parts = [_scalar_text(p.strip()) for p in inner.split(",")] if inner.strip() else []
+        if all(p is None or (isinstance(p, (int, float)) and not isinstance(p, bool))
+               for p in parts):
+            return key, tuple(parts)
+    return key, raw if value is _TEXT else value
+
+
+_TEXT = object()
+
+
+def _scalar_text(raw: str):
+    """bool, None, int or float of one word; ``_TEXT`` for anything else."""
     low = raw.lower()
     if low in ("true", "false"):
-        return key, low == "true"
+        return low == "true"
     if low in ("none", "null"):
-        return key, None
+        return None
     for conv in (int, float):
         try:
-            return key, conv(raw)
+            return conv(raw)
         except ValueError:
             pass
-    return key, raw
+    return _TEXT
 
 
 _SAVE = "save with numpy.savez(path, q=q, k=k, v=v, out=out)"
@@ -110,7 +128,11 @@ def _read_npz(path: str) -> dict:
 def load_npz(path: str) -> dict:
     """The arrays of ``path`` (an ``.npz`` with at least q, k, v, out), each in its saved
     dtype; UsageError if not, or if an array named in :data:`KINDS` has another kind."""
-    arrays = _read_npz(path)
+    return _check_arrays(path, _read_npz(path))
+
+
+def _check_arrays(path: str, arrays: dict) -> dict:
+    """``arrays`` if they hold q, k, v, out of the right kinds; UsageError otherwise."""
     missing = [name for name in REQUIRED if name not in arrays]
     if missing:
         raise UsageError(f"{path} lacks array(s) {', '.join(missing)}; it holds "
@@ -131,12 +153,14 @@ def load_npz(path: str) -> dict:
     return arrays
 
 
-def _check_flags(variant, profile, options, rtol, factor) -> tuple:
+def _check_flags(variant, profile, options, rtol, factor, path=None, meta=None) -> tuple:
     """``(the registry record or None, the --option values)``; UsageError on bad flags."""
     from .registry import get_variant
 
     if variant is None and profile is None:
-        raise UsageError("give --variant, or --profile (which names the variant)")
+        raise UsageError("give --variant, or --profile (which names the variant)"
+                         + (f"; {path} holds no {META} naming them (arrayattn check's "
+                            "repro files do)" if path is not None and not meta else ""))
     for flag, value in (("--rtol", rtol), ("--factor", factor)):
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise UsageError(f"{flag} must be a finite number >= 0; got {value}")
@@ -154,10 +178,11 @@ def _check_flags(variant, profile, options, rtol, factor) -> tuple:
     return rec, params
 
 
-def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
-    """``(q, k, v, out; do, gradients, lse; the options)`` of the file, other arrays joined
-    to ``params``; UsageError if it does not fit the flags (``do, lse, d<x>`` judged apart)."""
-    arrays = load_npz(path)
+def _read_problem(path, rec, profile, params, err, arrays=None) -> tuple[dict, dict, dict]:
+    """``(q, k, v, out; do, gradients, lse; the options)`` of the file (or of its
+    ``arrays`` already read), other arrays joined to ``params``; UsageError if it does not
+    fit the flags (``do, lse, d<x>`` judged apart)."""
+    arrays = load_npz(path) if arrays is None else _check_arrays(path, arrays)
     training = {key: arrays.pop(key) for key in list(arrays) if key in (
         "do", "lse", "final_state") or (key.startswith("d") and key[1:] in arrays)}
     grads = [key for key in training if key not in ("do", "lse", "final_state")]
@@ -174,6 +199,64 @@ def _read_problem(path, rec, profile, params, err) -> tuple[dict, dict, dict]:
         print(f"note: {rec.name} is random and {path} holds no random matrix; the "
               "reference draws its own from the seed option", file=err)
     return arrays, training, {**params, **extra}
+
+
+#: The metadata array of a repro file written by ``arrayattn check``.
+META = "__meta__"
+
+
+def read_meta(path: str, arrays: dict) -> dict:
+    """The repro file's ``__meta__`` (JSON in a 0-d string array), removed from
+    ``arrays``; ``{}`` when the file has none; UsageError when it is not readable JSON."""
+    import json
+
+    if META not in arrays:
+        return {}
+    raw = arrays.pop(META)
+    try:
+        meta = json.loads(str(raw.item() if hasattr(raw, "item") else raw))
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{path}: its {META} is not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{path}: its {META} is not a JSON object")
+    return meta
+
+
+def with_meta(meta: dict, variant, profile, layout, options) -> tuple:
+    """``(variant, profile, layout, options)``: the flags, completed by the file's
+    ``__meta__``.  The file's variant or profile (with its layout and options) is used when
+    neither ``--variant`` nor ``--profile`` is given, or when they name the same; an
+    ``--option`` overrides the file's option of the same name."""
+    if not meta:
+        return variant, profile, layout, list(options)
+    same = (variant is None and profile is None) or (
+        variant == meta.get("variant") and profile == meta.get("profile"))
+    if not same:
+        return variant, profile, layout, list(options)
+    given = {parse_option(o)[0] for o in options}
+    kept = [o for o in meta.get("options") or () if parse_option(o)[0] not in given]
+    return (meta.get("variant") if variant is None and profile is None else variant,
+            meta.get("profile") if variant is None and profile is None else profile,
+            layout if layout is not None else meta.get("layout"), kept + list(options))
+
+
+def _print_raised(path, meta, arrays, params, variant, profile, out) -> int:
+    """A repro file of a kernel that raised (no ``out``): its problem, the error; exit 1."""
+    for name in ("q", "k", "v"):
+        if name not in arrays:
+            raise UsageError(f"{path} lacks array {name}")
+    shown = {key: shown_value(val) for key, val in params.items()}
+    shown.update({key: shown_value(val) for key, val in arrays.items()
+                  if key not in ("q", "k", "v", "do")})
+    what = variant or "softmax"
+    print(f"{path}: {what}" + (f" (profile {profile})" if profile else "")
+          + f", q {arrays['q'].shape}, k {arrays['k'].shape}, v {arrays['v'].shape}"
+          + (f", options {shown}" if shown else ""), file=out)
+    if meta.get("case"):
+        print(f"case: {meta['case']}", file=out)
+    print(f"no output to judge: {meta['error']}", file=out)
+    print("KERNEL RAISED", file=out)
+    return 1
 
 
 def _compare(path, rec, arrays, params, rtol, layout, profile):
@@ -195,12 +278,30 @@ def _compare(path, rec, arrays, params, rtol, layout, profile):
                          f"{type(exc).__name__}: {exc}") from None
 
 
+def shown_value(value, limit: int = 8):
+    """An option as printed: scalars and arrays of at most ``limit`` entries by value
+    (a 0-d array as its scalar, a small one as a tuple), larger arrays by shape.
+
+    >>> import numpy as np
+    >>> shown_value(np.asarray(True)), shown_value(np.array([2, 0])), shown_value(0.5)
+    (True, (2, 0), 0.5)
+    >>> shown_value(np.zeros((2, 3, 48)))
+    'array(2, 3, 48)'
+    """
+    if not hasattr(value, "shape") or not hasattr(value, "tolist"):
+        return value
+    if value.ndim == 0:
+        return value.tolist()
+    if value.ndim == 1 and value.size <= limit:
+        return tuple(value.tolist())
+    return f"array{tuple(value.shape)}"
+
+
 def _print_output_verdict(path, c, rec, arrays, params, *, rtol, layout, profile, out, err):
     """The problem line, the per-head table, the notes, a hint on a mismatch, the verdict."""
     from .testing.hints import layout_hint, top_left_hint
 
-    shown = {key: (f"array{tuple(val.shape)}" if hasattr(val, "shape") else val)
-             for key, val in params.items()}
+    shown = {key: shown_value(val) for key, val in params.items()}
     print(f"{path}: {c.variant}"
           + (f" (profile {c.profile})" if c.profile else "")
           + (f", layout {layout}" if layout else "")
@@ -224,8 +325,14 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     try:
-        rec, params = _check_flags(variant, profile, options, rtol, factor)
-        arrays, training, params = _read_problem(path, rec, profile, params, err)
+        arrays = _read_npz(path)
+        meta = read_meta(path, arrays)
+        variant, profile, layout, options = with_meta(meta, variant, profile, layout,
+                                                      options)
+        rec, params = _check_flags(variant, profile, options, rtol, factor, path, meta)
+        if meta.get("error") is not None and "out" not in arrays:
+            return _print_raised(path, meta, arrays, params, variant, profile, out)
+        arrays, training, params = _read_problem(path, rec, profile, params, err, arrays)
         c = _compare(path, rec, arrays, params, rtol, layout, profile)
     except (UsageError, ValueError) as exc:  # ValueError: an unknown variant or profile
         print(f"arrayattn validate: error: {exc}", file=err)
@@ -383,13 +490,18 @@ def _validate_parser(sub):
         "block_table (b, max_blocks) and cache_seqlens (b,) is a paged KV cache, judged "
         "against arrayattn.paged_attention: its k and v are then the caches (num_blocks, "
         "page, h_kv, d), whatever --layout says of q and out. "
+        "A repro file of 'arrayattn check' names its profile or variant, layout and "
+        "options itself (its __meta__): 'arrayattn validate FILE' alone judges it; flags "
+        "still override. A repro of a kernel that raised holds its inputs and the error "
+        "(exit 1). "
         "Exit 0 match, 1 mismatch, 2 usage error or malformed file.")
     val.add_argument("file", metavar="FILE.npz")
     val.add_argument("--variant", default=None, help="registry name (arrayattn report "
                      "lists them); optional with --profile")
     val.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                     help="a scalar option of the variant (int, float, true/false, none or "
-                     "a string such as window_size=-1,0); repeat for several")
+                     help="a scalar option of the variant (int, float, true/false, none, "
+                     "a pair such as window=3,0 or 'window=(3, 0)', or a string); repeat "
+                     "for several; overrides the file's option of the same name")
     val.add_argument("--rtol", type=float, default=None,
                      help="override the derived tolerance: max-abs error per head "
                      "relative to the head's largest reference entry")

@@ -22,12 +22,20 @@ class KernelCheck:
     cases : int
         Cases run (catalogue, random draws and shrinking).
     failure : Outcome or None
-        The smallest failing case (``.case``) and its verdict (``.verdict``: the
-        comparisons, ``.items``, or the ``.error`` the kernel raised).
+        The smallest failing case (``.case``) and the verdict that failed (``.verdict``:
+        the comparisons, ``.items``, or the ``.error`` the kernel raised).
+    flaky : bool
+        The failing case passed when run once more (a stateful kernel: compile caches,
+        random behaviour); :attr:`rerun` holds that second outcome.  Still a finding
+        (``ok`` is False).
+    rerun : Outcome or None
+        The failing case run once more after the search.
     repro : str or None
         The repro file written (``repro=``), judged by :attr:`validate`.
     validate : str or None
         The ``arrayattn validate`` command line that judges the repro file.
+    notes : list of str
+        What went wrong besides the kernel (a repro file that could not be written).
     """
 
     convention: str
@@ -43,6 +51,9 @@ class KernelCheck:
     worst_ratio: float = 0.0
     worst_case: object = None
     dtypes: tuple = ()
+    flaky: bool = False
+    rerun: Outcome | None = None
+    notes: list = field(default_factory=list)
 
     def summary(self) -> str:
         """What was run and covered, and the finding (its case, outputs, heads, errors)."""
@@ -61,15 +72,32 @@ class KernelCheck:
                          + (f" ({self.worst_case.describe()})" if self.worst_case else ""))
             return "\n".join(lines)
         f = self.failure
-        lines.append(f"FOUND after {self.time_to_finding:.1f} s; smallest failing case: "
-                     f"{f.case.describe()}")
+        lines.append(f"{self.status} after {self.time_to_finding or 0.0:.1f} s; smallest "
+                     f"failing case: {f.case.describe()}")
+        if self.flaky:
+            lines.append("  failed once:")
         lines += ["  " + line for line in f.verdict.lines()]
+        if self.flaky:
+            lines.append("  " + rerun_line(self.rerun))
         if self.repro:
             lines.append(f"repro: {self.repro}; judge it with: {self.validate}")
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
+    @property
+    def status(self) -> str:
+        """``"OK"``, ``"FOUND"`` or ``"FLAKY"`` (a finding that passed on re-run)."""
+        return "OK" if self.ok else "FLAKY" if self.flaky else "FOUND"
+
     def __repr__(self) -> str:
-        return f"<KernelCheck {'ok' if self.ok else 'FOUND'}: {self.cases} cases>"
+        return f"<KernelCheck {self.status if not self.ok else 'ok'}: {self.cases} cases>"
+
+
+def rerun_line(rerun: Outcome | None) -> str:
+    """What the re-run of a flaky finding gave."""
+    if rerun is None or rerun.verdict is None:
+        return "passed on re-run (it raised NotImplementedError)"
+    return f"passed on re-run (worst error / tolerance {rerun.verdict.worst:.3g})"
 
 
 def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=None,
@@ -98,7 +126,12 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
     skip : sequence of str
         Options never drawn.
     repro : str, optional
-        Where to write the repro ``.npz`` of a finding.
+        Where to write the repro ``.npz`` of a finding (``arrayattn validate FILE`` judges
+        it alone; a kernel that raised: its inputs, options and the error).
+    device : str
+        Where the convention puts the arrays (``"cpu"``, ``"cuda"``).
+    log : callable, optional
+        Called with a line of progress (a finding, an unsupported feature).
 
     Returns
     -------
@@ -129,11 +162,35 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
                       worst_case=search.worst[1], dtypes=dtypes,
                       time_to_finding=search.first_found)
     if found is not None:
-        res.failure = search.evaluate(found)
+        _classify(res, search, found)
         if repro:
-            from .repro import write_repro
-            res.repro, res.validate = repro, write_repro(repro, conv, fn, found)
+            _write(res, repro, conv, fn)
     return res
+
+
+def _classify(res: KernelCheck, search: Search, found) -> None:
+    """The finding with the verdict that failed; run once more: FLAKY if it passes."""
+    failed = search.failure_of(found)
+    res.rerun, again = search.fails_again(found)
+    if failed is None:                       # not kept: the re-run is all there is
+        failed = res.rerun
+    res.failure = failed
+    res.flaky = not again
+    if res.flaky and search.log is not None:
+        search.log(f"the failing case {found.describe()} passed on re-run: FLAKY")
+
+
+def _write(res: KernelCheck, path: str, conv, fn) -> None:
+    """The repro file of the failing outcome; a note instead when it cannot be written."""
+    from .repro import write_repro
+
+    try:
+        res.validate = write_repro(path, conv, fn, res.failure.case, outcome=res.failure,
+                                   flaky=res.flaky)
+        res.repro = path
+    except Exception as exc:  # never lose the finding over its repro file
+        res.notes.append(f"the repro file {path} could not be written: "
+                         f"{type(exc).__name__}: {exc}")
 
 
 def assert_kernel_conforms(fn, convention, **kwargs) -> KernelCheck:

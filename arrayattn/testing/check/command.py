@@ -1,6 +1,7 @@
 """The ``arrayattn check`` subcommand: its parser and its runner (registered by
 :mod:`arrayattn.cli`).  Exit 0: nothing found within the budget; 1: a discrepancy (the
-smallest failing case printed, the repro written); 2: usage."""
+smallest failing case printed, the repro written; also a FLAKY finding, which passed on
+re-run); 2: usage."""
 from __future__ import annotations
 
 import importlib
@@ -58,7 +59,9 @@ def add_parser(sub):
         "catalogue of edge cases, then random cases (Hypothesis), judge each output, lse, "
         "final state and gradient with the referee of 'validate', and shrink any finding "
         "to the smallest failing case. Exit 0: nothing found within the budget; 1: a "
-        "discrepancy (the repro file is written); 2: usage.")
+        "discrepancy or a kernel that raised (the repro file is written; 'arrayattn "
+        "validate FILE' judges it alone), FLAKY when the failing case passes on re-run; "
+        "2: usage.")
     p.add_argument("kernel", metavar="MODULE:FUNCTION")
     p.add_argument("--convention", required=True, help="one of "
                    f"{', '.join(sorted(CONVENTIONS))}, or MODULE:ADAPTER (a custom adapter)")
@@ -120,6 +123,8 @@ def run_check(args) -> int:
 
 
 def _as_json(res) -> dict:
+    from .api import rerun_line
+
     f = res.failure
     return {"convention": res.convention, "ok": res.ok, "cases": res.cases,
             "seconds": res.seconds, "time_to_finding": res.time_to_finding,
@@ -127,6 +132,11 @@ def _as_json(res) -> dict:
             "worst_ratio": res.worst_ratio,
             "covered": {k: sorted(v) if isinstance(v, set) else v
                         for k, v in res.covered.items()},
+            "status": res.status, "flaky": res.flaky,
             "failure": None if f is None else {"case": f.case.describe(),
                                                "lines": f.verdict.lines()},
-            "repro": res.repro, "validate": res.validate}
+            "rerun": None if res.rerun is None or f is None else {
+                "fails": not res.flaky,
+                "lines": [] if res.rerun.verdict is None else res.rerun.verdict.lines(),
+                "text": rerun_line(res.rerun) if res.flaky else "failed again"},
+            "repro": res.repro, "validate": res.validate, "notes": list(res.notes)}

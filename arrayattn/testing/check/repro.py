@@ -1,14 +1,25 @@
-"""The repro file of a finding: an ``.npz`` that ``arrayattn validate`` judges on its own
-(inputs, options, the kernel's out, lse, final state, do and gradients), and the command
-line that judges it."""
+"""The repro file of a finding: an ``.npz`` that ``arrayattn validate FILE`` judges on its
+own (inputs, options, the kernel's out, lse, final state, do and gradients; the profile or
+variant, layout and scalar options in its ``__meta__``), and the command line that judges
+it.  A kernel that raised gets a file of its inputs, options and the error text."""
 from __future__ import annotations
+
+import json
+import shlex
 
 import numpy as np
 
 from ..measures import host64
 from .conventions.base import host
 
-__all__ = ["repro_arrays", "write_repro", "validate_command", "judged_as"]
+__all__ = ["repro_arrays", "write_repro", "validate_command", "judged_as", "META",
+           "repro_meta", "input_arrays"]
+
+#: The name of the repro file's metadata: a 0-d string array holding JSON (``format``,
+#: ``convention``, ``case``, ``variant``, ``profile``, ``layout``, ``options`` as
+#: ``--option`` texts, ``error`` of a kernel that raised, ``flaky``); ``arrayattn validate``
+#: reads it when no flag says otherwise.
+META = "__meta__"
 
 
 def _scalar(value):
@@ -48,6 +59,35 @@ def judged_as(call, case) -> tuple[dict, dict]:
     return flags, dict(call.params)
 
 
+def option_text(key: str, value) -> str:
+    """One ``--option`` of validate: ``causal=true``, ``scale=0.3``, ``window=3,0``."""
+    if isinstance(value, bool):
+        text = str(value).lower()
+    elif isinstance(value, (tuple, list)):
+        text = ",".join("none" if x is None else str(x) for x in value)
+    else:
+        text = str(value)
+    return f"{key}={text}"
+
+
+def _options_into(arrays: dict, flags: dict, params: dict) -> None:
+    """The call's options: arrays (and a profile's scalars, as 0-d arrays) into ``arrays``,
+    a variant's scalars as ``--option`` texts into ``flags["option"]``."""
+    options = []
+    for key, value in params.items():
+        if key == "enable_gqa" and not value:
+            continue
+        if "variant" in flags and not hasattr(value, "shape"):
+            if value is not None:    # a scalar of the variant: validate's --option
+                options.append(option_text(key, value))
+            continue
+        arr = host(value) if hasattr(value, "shape") else _scalar(value)
+        if arr is not None:
+            arrays[key] = arr
+    if options:
+        flags["option"] = options
+
+
 def repro_arrays(conv, call, case, results: dict, grads: dict) -> tuple[dict, dict]:
     """``(arrays of the file, validate's flags)`` of one judged call."""
     from .judge import judge_inputs
@@ -63,21 +103,28 @@ def repro_arrays(conv, call, case, results: dict, grads: dict) -> tuple[dict, di
         arrays["do"] = x["do"]
         for name, g in grads.items():
             arrays["d" + call.rename.get(name, name)] = host64(conv.to_judge(name, g))
-    options = []
-    for key, value in params.items():
-        if key == "enable_gqa" and not value:
-            continue
-        if "variant" in flags and not hasattr(value, "shape"):
-            if value is not None:    # a scalar of the variant: validate's --option
-                text = str(value).lower() if isinstance(value, bool) else str(value)
-                options.append(f"{key}={text}")
-            continue
-        arr = host(value) if hasattr(value, "shape") else _scalar(value)
-        if arr is not None:
-            arrays[key] = arr
-    if options:
-        flags["option"] = options
+    _options_into(arrays, flags, params)
     return _keep_dtypes(arrays, results, grads, call), flags
+
+
+def input_arrays(call, case) -> tuple[dict, dict]:
+    """``(arrays, validate's flags)`` of a call the kernel raised on: q, k, v, do (in the
+    case's dtype) and the options, no result."""
+    from .judge import judge_inputs
+
+    flags, params = judged_as(call, case)
+    x = judge_inputs(call)
+    arrays = {name: x[name] for name in ("q", "k", "v", "do")}
+    _options_into(arrays, flags, params)
+    return _keep_dtypes(arrays, {}, {}, call), flags
+
+
+def repro_meta(conv, case, flags: dict, *, error=None, flaky=False) -> dict:
+    """The ``__meta__`` of a repro file: what ``validate FILE`` needs besides the arrays."""
+    return {"format": 1, "convention": conv.name, "case": case.describe(),
+            "variant": flags.get("variant"), "profile": flags.get("profile"),
+            "layout": flags.get("layout"), "options": list(flags.get("option", ())),
+            "error": error, "flaky": bool(flaky)}
 
 
 def _keep_dtypes(arrays: dict, results: dict, grads: dict, call) -> dict:
@@ -102,17 +149,44 @@ def _keep_dtypes(arrays: dict, results: dict, grads: dict, call) -> dict:
 
 
 def validate_command(path: str, flags: dict) -> str:
-    """The ``arrayattn validate`` command line that judges ``path``."""
-    words = [f" --{k} {v}" for k, v in flags.items() if k != "option"]
-    words += [f" --option {o}" for o in flags.get("option", ())]
-    return "arrayattn validate " + path + "".join(words)
+    """The ``arrayattn validate`` command line that judges ``path`` (each word quoted for a
+    POSIX shell; the flags repeat what the file's ``__meta__`` says)."""
+    words = [f" --{k} {shlex.quote(str(v))}" for k, v in flags.items() if k != "option"]
+    words += [f" --option {shlex.quote(o)}" for o in flags.get("option", ())]
+    return "arrayattn validate " + shlex.quote(path) + "".join(words)
 
 
-def write_repro(path: str, conv, fn, case) -> str:
-    """Run ``fn`` on ``case`` again, write its repro file to ``path``; the validate
-    command that judges it."""
-    call = conv.build(case)
-    results, grads = conv.run(fn, call, case, bool(case.opts.get("backward")))
-    arrays, flags = repro_arrays(conv, call, case, results, grads)
+def write_repro(path: str, conv, fn, case, *, outcome=None, flaky: bool = False) -> str:
+    """Write the repro file of ``case`` to ``path``; the validate command that judges it.
+
+    ``outcome`` (the failing :class:`~arrayattn.testing.check.search.Outcome`): its call
+    and results are written as they were, the kernel is not run again; without it the
+    kernel runs again on ``case``.  When the kernel raised (then, or again now) the file
+    holds its inputs, options and the error text (``validate`` exits 1 on it), nothing
+    is re-raised; so does a result the referee could not judge (a wrong shape ...)."""
+    from .search import _raised
+
+    call, results, grads, error = None, None, None, None
+    if outcome is not None:
+        call, results, grads = outcome.call, outcome.results, outcome.grads
+        if outcome.verdict is not None and outcome.verdict.error is not None:
+            error, results = outcome.verdict.error, None   # raised, or a result unjudgeable
+    if call is None:
+        call = conv.build(case)
+    if results is None and error is None:
+        try:
+            results, grads = conv.run(fn, call, case, bool(case.opts.get("backward")))
+        except Exception as exc:
+            error = _raised("the kernel", exc)
+    arrays = None
+    if results is not None:
+        try:
+            arrays, flags = repro_arrays(conv, call, case, results, grads or {})
+        except Exception as exc:  # a result the referee cannot read (a wrong shape ...)
+            error = _raised("writing its result", exc)
+    if arrays is None:
+        arrays, flags = input_arrays(call, case)
+    arrays[META] = np.asarray(json.dumps(repro_meta(conv, case, flags, error=error,
+                                                    flaky=flaky)))
     np.savez(path, **arrays)
     return validate_command(path, flags)

@@ -6,12 +6,18 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .cases import HALF, Case, case_strategy, catalogue, smaller
+from .draws import local_constants_off
 from .judge import Verdict, judge
+from .unsupported import Unsupported, isolate_unsupported
 
-__all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes"]
+__all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes",
+           "Unsupported"]
+
+#: Failing outcomes kept with their arrays (for the repro file): the smallest cases.
+KEEP_FAILURES = 32
 
 
 class OutOfTime(Exception):
@@ -30,11 +36,16 @@ def require_hypothesis():
 
 @dataclass
 class Outcome:
-    """What one case gave: its ``verdict`` (None when the kernel does not support it)."""
+    """What one case gave: its ``verdict`` (None when the kernel does not support it), and
+    what the repro file of a finding is written from: the ``call`` (inputs, options), the
+    kernel's ``results`` and ``grads`` (None when it raised)."""
 
     case: Case
     verdict: Verdict | None
     seconds: float = 0.0
+    call: object = field(default=None, repr=False, compare=False)
+    results: dict | None = field(default=None, repr=False, compare=False)
+    grads: dict | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -55,33 +66,36 @@ class Search:
     worst: tuple = (0.0, None)
     first_found: float | None = None
     started: float = 0.0
+    failures: dict = field(default_factory=dict)
 
     # -- one case -----------------------------------------------------------------
     def evaluate(self, case: Case) -> Outcome:
         """Run the kernel on ``case`` and judge it (NotImplementedError: unsupported)."""
         t0 = time.perf_counter()
         backward = bool(case.opts.get("backward"))
+        call = None
         try:
             call = self.conv.build(case)
             results, grads = self.conv.run(self.fn, call, case, backward)
         except NotImplementedError:
-            return Outcome(case, None, time.perf_counter() - t0)
+            return Outcome(case, None, time.perf_counter() - t0, call)
         except Exception as exc:  # a kernel that raises on a valid case is a finding
             return Outcome(case, Verdict(error=_raised("the kernel", exc)),
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, call)
         try:
             verdict = judge(call, self.conv, results, grads)
         except Exception as exc:  # a result of the wrong shape, a missing state ...
             verdict = Verdict(error=_raised("judging its result", exc))
-        return Outcome(case, verdict, time.perf_counter() - t0)
+        return Outcome(case, verdict, time.perf_counter() - t0, call, results, grads)
 
     def excluded(self, case: Case) -> bool:
-        """Whether ``case`` uses an option value (or dtype) found unsupported."""
-        return case.dtype in self.unsupported or any(
-            (k, v) in self.unsupported for k, v in case.active().items())
+        """Whether ``case`` has anything found unsupported (an option value, a
+        combination, a dtype, a shape property: :class:`Unsupported`)."""
+        return any(u.matches(case) for u in self.unsupported)
 
     def fails(self, case: Case) -> bool:
-        """Evaluate ``case`` (counted, covered); True on a finding."""
+        """Evaluate ``case`` (counted, covered); True on a finding (its failing outcome is
+        kept: :meth:`failure_of`)."""
         if self.excluded(case):
             return False
         out = self.evaluate(case)
@@ -89,27 +103,51 @@ class Search:
         if out.verdict is None:
             return self._unsupported(case)
         self._cover(case, out.verdict)
-        if not out.verdict.ok and self.first_found is None:
-            self.first_found = time.monotonic() - self.started
+        if not out.verdict.ok:
+            if self.first_found is None:
+                self.first_found = time.monotonic() - self.started
+            self._keep_failure(out)
         return not out.verdict.ok
 
+    def _keep_failure(self, out: Outcome) -> None:
+        """Remember the failing outcome of its case (the smallest cases' kept)."""
+        self.failures.pop(out.case, None)
+        self.failures[out.case] = out
+        while len(self.failures) > KEEP_FAILURES:
+            del self.failures[max(self.failures, key=lambda c: c.size())]
+
+    def failure_of(self, case: Case) -> Outcome | None:
+        """The outcome of ``case``'s last failing evaluation (None if none is kept)."""
+        return self.failures.get(case)
+
+    def fails_again(self, case: Case) -> tuple[Outcome, bool]:
+        """Run ``case`` once more (not counted): ``(its outcome, whether it fails)``; a
+        NotImplementedError fails again only when the plainest case raises it too."""
+        out = self.evaluate(case)
+        if out.verdict is None:
+            return out, isolate_unsupported(case, self.conv,
+                                            self._raises_not_implemented) is None
+        return out, not out.verdict.ok
+
     def _unsupported(self, case: Case) -> bool:
-        """Find which option value raised NotImplementedError, alone; a finding if none."""
-        base = replace(case, options=())
-        if case.opts.get("backward"):
-            fwd = case.with_options(backward=None)
-            if self.evaluate(fwd).verdict is not None:
-                self._note_unsupported(("backward", True))
-                return False
-        for key, value in case.active().items():
-            alone = self.conv.normalize(base.with_options(**{key: value}))
-            if self.evaluate(alone).verdict is None:
-                self._note_unsupported((key, value))
-                return False
-        if self.evaluate(replace(base, dtype="float32")).verdict is None:
-            raise RuntimeError("the kernel raises NotImplementedError on the plainest case")
-        self._note_unsupported(case.dtype)
+        """Isolate what raised NotImplementedError (the backward, the shape, the dtype, an
+        option or a combination: :func:`~.unsupported.isolate_unsupported`), exclude it
+        from then on; never a finding, except when the plainest case raises it too."""
+        what = isolate_unsupported(case, self.conv, self._raises_not_implemented)
+        if what is None:                       # the plainest case: nothing can be checked
+            out = Outcome(case, Verdict(error=(
+                "the kernel raised NotImplementedError on the plainest case of the "
+                f"convention ({self.conv.name}): nothing can be checked; is it the "
+                "right --convention?")))
+            self._keep_failure(out)
+            if self.first_found is None:
+                self.first_found = time.monotonic() - self.started
+            return True
+        self._note_unsupported(what)
         return False
+
+    def _raises_not_implemented(self, case: Case) -> bool:
+        return self.evaluate(case).verdict is None
 
     def _note_unsupported(self, what) -> None:
         if what not in self.unsupported:
@@ -173,12 +211,17 @@ class Search:
                         phases=[Phase.generate, Phase.shrink],
                         suppress_health_check=list(HealthCheck))
         try:
-            hyp.find(strategy, condition, settings=opts, random=random.Random(self.seed))
+            with local_constants_off():    # the same seed, the same draws (see .draws)
+                hyp.find(strategy, condition, settings=opts, random=random.Random(self.seed))
         except (OutOfTime, hyp.errors.NoSuchExample):
             pass
         except Exception as exc:  # OutOfTime while shrinking comes back in a group
             if not _only_out_of_time(exc):
-                raise
+                if not _hypothesis_gave_up(exc, hyp):
+                    raise
+                # a kernel whose verdicts change between calls (Flaky): Hypothesis stops
+                self._say(f"Hypothesis stopped ({type(exc).__name__}): the kernel's "
+                          "verdicts change between calls")
         return self.polish(best[0], limit[0]) if best else None
 
     def polish(self, case: Case, deadline: float) -> Case:
@@ -204,7 +247,23 @@ def _only_out_of_time(exc: BaseException) -> bool:
     return isinstance(exc, OutOfTime) or type(exc).__name__ == "Found"
 
 
+def _hypothesis_gave_up(exc: BaseException, hyp) -> bool:
+    """Whether ``exc`` is Hypothesis giving up on an unreliable condition (Flaky and its
+    kinds, Unsatisfiable), alone or with OutOfTime/Found in a group: the search goes on
+    with what it found.  Any other error (a bug of the checker) is raised."""
+    inner = getattr(exc, "exceptions", None)
+    kinds = tuple(getattr(hyp.errors, name) for name in ("Flaky", "Unsatisfiable")
+                  if isinstance(getattr(hyp.errors, name, None), type))
+    if isinstance(exc, kinds) or type(exc).__name__.startswith("Flaky"):
+        return True
+    if isinstance(inner, (tuple, list)):
+        return all(_hypothesis_gave_up(e, hyp) or _only_out_of_time(e) for e in inner)
+    return False
+
+
 def _label(what) -> str:
+    if isinstance(what, Unsupported):
+        return what.label
     return what if isinstance(what, str) else f"{what[0]}={what[1]}"
 
 
