@@ -90,7 +90,7 @@ class VllmPagedAttention(ShippedConvention):
         table = np.zeros((case.b, width), dtype=np.int32)       # unused entries: block 0
         for b, p in enumerate(pages):
             table[b, :len(p)] = p
-        arrays = {"query": q, "key_cache": key_cache_layout(kp, _x(case.dtype)),
+        arrays = {"q": q, "key_cache": key_cache_layout(kp, _x(case.dtype)),
                   "value_cache": value_cache_layout(vp),
                   "block_tables": table, "seq_lens": lengths.astype(np.int32),
                   "do": np.zeros((case.b, case.hq, 1, case.dv))}
@@ -100,7 +100,7 @@ class VllmPagedAttention(ShippedConvention):
         if "alibi_slopes" in t:
             t["alibi_slopes"] = t["alibi_slopes"].float()
         k, v = _pages_of(host(t["key_cache"]), host(t["value_cache"]))
-        inputs = {"q": host(t["query"])[:, :, None], "k": k, "v": v, "do": arrays["do"]}
+        inputs = {"q": host(t["q"])[:, :, None], "k": k, "v": v, "do": arrays["do"]}
         params = {"block_table": table, "cache_seqlens": arrays["seq_lens"]}
         if o.get("scale") is not None:
             params["scale"] = float(o["scale"])
@@ -110,7 +110,7 @@ class VllmPagedAttention(ShippedConvention):
 
     def call(self, fn, t, case):
         import torch
-        q = t["query"]
+        q = t["q"]                                        # the query
         scale = case.opts.get("scale") or case.d ** -0.5
         out = torch.full_like(q, float("nan"))
         one = torch.ones((), dtype=torch.float32, device=q.device)

@@ -61,9 +61,17 @@ class XFormers(ShippedConvention):
 
     Examples
     --------
+    >>> conv = XFormers(bias_factory=mirror_bias_factory)
+    >>> conv.bias_factory("LocalAttentionFromBottomRightMask", window_left=1, window_right=0)
+    LocalAttentionFromBottomRightMask(window_left=1, window_right=0)
+
+    With xFormers on a CUDA machine, its kernel against the real bias classes:
+
     >>> import xformers.ops as xops                                   # doctest: +SKIP
-    >>> from arrayattn.testing import check_kernel
-    >>> check_kernel(xops.memory_efficient_attention, "xformers", device="cuda")  # +SKIP
+    >>> from arrayattn.testing import check_kernel                    # doctest: +SKIP
+    >>> res = check_kernel(xops.memory_efficient_attention,
+    ...                    XFormers(bias_factory=real_bias_factory),
+    ...                    device="cuda")                             # doctest: +SKIP
     """
 
     name = "xformers"
@@ -141,7 +149,7 @@ class XFormers(ShippedConvention):
         b, m, hq, dk = q.shape
         hkv = k.shape[2]
         grouped = hq != hkv or bool(o.get("grouped"))
-        bias = t.get("attn_bias")
+        bias = _aligned(t.get("attn_bias"))
         if grouped:
             g, h = hkv, hq // hkv
             q = q.reshape(b, m, g, h, dk)
@@ -156,6 +164,17 @@ class XFormers(ShippedConvention):
         if grouped:
             out = out.reshape(b, m, hq, out.shape[-1])
         return {"out": out.transpose(1, 2)}
+
+
+def _aligned(bias):
+    """A tensor bias as a slice of one whose last axis is padded to a multiple of 8, as
+    xFormers asks of a bias whose key length is not one ("HINT: ... slicing a bigger
+    tensor"); the values are unchanged."""
+    if bias is None or bias.shape[-1] % 8 == 0:
+        return bias
+    wide = bias.new_zeros(*bias.shape[:-1], -(-bias.shape[-1] // 8) * 8)
+    wide[..., :bias.shape[-1]] = bias
+    return wide[..., :bias.shape[-1]]
 
 
 def _block_diagonal(lq, lk, kind) -> np.ndarray:

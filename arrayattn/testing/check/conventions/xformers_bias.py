@@ -241,5 +241,6 @@ def make_bias(kind: str, *, namespace=None, device="cpu", bias=None, window_size
     if kind == "LocalAttentionFromBottomRightMask":
         return cls(window_left=window_left, window_right=window_right)
     if kind.startswith("BlockDiagonal"):
-        return cls.from_seqlens(list(q_seqlen), list(kv_seqlen), device=device)
+        import torch      # xFormers compares the device with torch.device("cpu")
+        return cls.from_seqlens(list(q_seqlen), list(kv_seqlen), device=torch.device(device))
     return cls()
