@@ -90,7 +90,7 @@ class FlashInferSinglePrefill(_FlashInfer):
             case = replace(case, n=case.s)   # bottom-right causal: no key for n - s rows
         return case
 
-    def build(self, case):
+    def build_valid(self, case):
         rng = np.random.default_rng(case.seed)
         x = {name: a[0] for name, a in draw_qkv(case, rng).items()}     # (h, n, d)
         hnd = case.opts.get("kv_layout") == "HND"
@@ -103,7 +103,7 @@ class FlashInferSinglePrefill(_FlashInfer):
             inputs[name] = host(t[name]) if hnd else host(t[name]).swapaxes(0, 1)
         return self.judged_call(t, (), _params(case), inputs)
 
-    def call(self, fn, t, case):
+    def call_valid(self, fn, t, case):
         kw = _kwargs(case)
         res = fn(t["q"], t["k"], t["v"], pos_encoding_mode="NONE", **kw)
         out, lse = res if kw["return_lse"] else (res, None)
@@ -129,9 +129,9 @@ class FlashInferSingleDecode(_FlashInfer):
         return super().normalize(replace(case, b=1, n=1) if (case.b, case.n) != (1, 1)
                                  else case)
 
-    build = FlashInferSinglePrefill.build
+    build_valid = FlashInferSinglePrefill.build_valid
 
-    def call(self, fn, t, case):
+    def call_valid(self, fn, t, case):
         kw = _kwargs(case, causal=False)
         res = fn(t["q"][0], t["k"], t["v"], pos_encoding_mode="NONE", **kw)
         out, lse = res if kw["return_lse"] else (res, None)
@@ -210,7 +210,7 @@ class FlashInferBatchPrefill(_FlashInfer):
             lk = np.maximum(lk, lq)      # bottom-right causal: every query sees a key
         return lq, lk
 
-    def build(self, case):
+    def build_valid(self, case):
         rng = np.random.default_rng(case.seed)
         lq, lk = self._lengths(case, rng)
         layout = case.opts.get("kv_layout") or "NHD"
@@ -220,7 +220,7 @@ class FlashInferBatchPrefill(_FlashInfer):
         return self.judged_call(t, (), {**_params(case), **segments}, inputs,
                                 [f"kv lengths {lk.tolist()}, query lengths {lq.tolist()}"])
 
-    def call(self, fn, t, case):
+    def call_valid(self, fn, t, case):
         kw = _kwargs(case)
         res = fn(t["q"], t["paged_kv_cache"], t["qo_indptr"], t["paged_kv_indptr"],
                  t["paged_kv_indices"], t["paged_kv_last_page_len"], **kw)
@@ -248,7 +248,7 @@ class FlashInferBatchDecode(FlashInferBatchPrefill):
     def normalize(self, case):
         return super().normalize(replace(case, n=1) if case.n != 1 else case)
 
-    def call(self, fn, t, case):
+    def call_valid(self, fn, t, case):
         kw = _kwargs(case, causal=False)
         res = fn(t["q"], t["paged_kv_cache"], t["paged_kv_indptr"], t["paged_kv_indices"],
                  t["paged_kv_last_page_len"], **kw)

@@ -40,6 +40,20 @@ class ShippedConvention(Convention):
                 case = replace(case, d=d, dv=dv)
         return case
 
+    def build(self, case):
+        """:meth:`build_valid` of the case made valid (a case may come un-normalized, as
+        the search's dtype probe does)."""
+        return self.build_valid(self.normalize(case))
+
+    def call(self, fn, t, case):
+        return self.call_valid(fn, t, self.normalize(case))
+
+    def build_valid(self, case):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def call_valid(self, fn, t, case):  # pragma: no cover - abstract
+        raise NotImplementedError
+
     def grad_to_bhnd(self, name: str, g):
         """A gradient of the kernel's input ``name`` in ``(b, h, n, d)``."""
         return g

@@ -50,7 +50,7 @@ class TritonTutorial(ShippedConvention):
             case = replace(case, n=n, s=n)
         return case
 
-    def build(self, case):
+    def build_valid(self, case):
         rng = np.random.default_rng(case.seed)
         t = self.tensors(draw_qkv(case, rng), case)
         params = {"causal": bool(case.opts.get("causal")),
@@ -58,6 +58,6 @@ class TritonTutorial(ShippedConvention):
         inputs = {name: host(t[name]) for name in ("q", "k", "v", "do")}
         return self.judged_call(t, ("q", "k", "v"), params, inputs)
 
-    def call(self, fn, t, case):
+    def call_valid(self, fn, t, case):
         scale = float(case.opts.get("sm_scale") or case.d ** -0.5)
         return {"out": fn(t["q"], t["k"], t["v"], bool(case.opts.get("causal")), scale)}

@@ -78,7 +78,7 @@ class VllmPagedAttention(ShippedConvention):
     def normalize(self, case):
         return super().normalize(replace(case, n=1) if case.n != 1 else case)
 
-    def build(self, case):
+    def build_valid(self, case):
         rng = np.random.default_rng(case.seed)
         o = case.opts
         block = o.get("block_size") or 16
@@ -108,7 +108,7 @@ class VllmPagedAttention(ShippedConvention):
             params["alibi_slopes"] = host(t["alibi_slopes"])
         return self.judged_call(t, (), params, inputs, [f"seq_lens {lengths.tolist()}"])
 
-    def call(self, fn, t, case):
+    def call_valid(self, fn, t, case):
         import torch
         q = t["q"]                                        # the query
         scale = case.opts.get("scale") or case.d ** -0.5

@@ -100,7 +100,7 @@ class XFormers(ShippedConvention):
             lk = np.maximum(lk, lq)
         return lq, lk
 
-    def build(self, case):
+    def build_valid(self, case):
         rng = np.random.default_rng(case.seed)
         o = case.opts
         kind = o.get("attn_bias")
@@ -143,7 +143,7 @@ class XFormers(ShippedConvention):
     def grad_to_bhnd(self, name, g):
         return g.swapaxes(-3, -2)
 
-    def call(self, fn, t, case):
+    def call_valid(self, fn, t, case):
         o = case.opts
         q, k, v = t["q"], t["k"], t["v"]
         b, m, hq, dk = q.shape
