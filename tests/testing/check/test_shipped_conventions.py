@@ -223,3 +223,31 @@ def test_repro_of_a_finding_is_judged_by_validate(conv, bug, tmp_path, capsys):
     assert "--variant softmax" in res.validate
     assert cli.main(res.validate.split()[1:]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+# -- the real libraries (CUDA only; skipped on a CPU) --------------------------------------
+def _real(module):
+    if not torch.cuda.is_available():
+        pytest.skip(f"{module}'s kernels need CUDA")
+    return pytest.importorskip(module)
+
+
+def test_real_flashinfer_single_and_batch():
+    from arrayattn.testing.check.conventions.flashinfer import (batch_decode_wrapper,
+                                                                batch_prefill_wrapper)
+    flashinfer = _real("flashinfer")
+    half = ["float16", "bfloat16"]
+    for fn, conv in ((flashinfer.single_prefill_with_kv_cache, "flashinfer_single_prefill"),
+                     (flashinfer.single_decode_with_kv_cache, "flashinfer_single_decode"),
+                     (batch_prefill_wrapper(), "flashinfer_batch_prefill"),
+                     (batch_decode_wrapper(), "flashinfer_batch_decode")):
+        res = check_kernel(fn, conv, budget=20, seed=0, dtypes=half, device="cuda")
+        assert res.ok, res.summary()
+
+
+def test_real_vllm_paged_attention_v1():
+    _real("vllm")
+    from vllm import _custom_ops as ops
+    res = check_kernel(ops.paged_attention_v1, "vllm_paged_attention", budget=20, seed=0,
+                       dtypes=["float16", "bfloat16"], device="cuda")
+    assert res.ok, res.summary()

@@ -69,11 +69,6 @@ class ShippedConvention(Convention):
                     inputs=inputs, notes=list(notes))
 
 
-def bhnd_of(x, kernel_to_bhnd) -> np.ndarray:
-    """Host float64 of a framework array mapped to ``(b, h, n, d)``."""
-    return kernel_to_bhnd(host(x))
-
-
 def draw_pages(rng, lengths, page: int, hkv: int, d: int, dv: int, spare: int = 1):
     """A shuffled paged cache holding ``lengths[b]`` tokens per sequence: ``(k_pages, v_pages
     (num_blocks, page, h_kv, d|dv), pages)`` where ``pages[b]`` lists sequence ``b``'s
