@@ -8,14 +8,23 @@ from .base import Call, Convention
 from .custom import CUSTOM_OPTIONS, Custom
 from .fla import FlaDeltaRule, FlaGatedDeltaRule, FlaGla, FlaSimpleGla
 from .flash import FlashAttn, FlashAttnKVCache, FlashAttnVarlen
+from .flashinfer import (FlashInferBatchDecode, FlashInferBatchPrefill,
+                         FlashInferSingleDecode, FlashInferSinglePrefill)
 from .softmax import FlexAttention, JaxDotProductAttention, Sdpa
+from .triton_tutorial import TritonTutorial
+from .vllm import VllmPagedAttention
+from .xformers import XFormers
 
 __all__ = ["CONVENTIONS", "get_convention", "Call", "Convention", "Custom", "CUSTOM_OPTIONS"]
 
 #: The named conventions (``--convention``); ``custom`` takes an adapter object.
 CONVENTIONS = {c.name: c for c in (Sdpa, FlexAttention, JaxDotProductAttention, FlashAttn,
                                    FlashAttnVarlen, FlashAttnKVCache, FlaGla, FlaSimpleGla,
-                                   FlaDeltaRule, FlaGatedDeltaRule)}
+                                   FlaDeltaRule, FlaGatedDeltaRule,
+                                   # the kernels people ship (issue #51)
+                                   XFormers, FlashInferSinglePrefill, FlashInferSingleDecode,
+                                   FlashInferBatchPrefill, FlashInferBatchDecode,
+                                   VllmPagedAttention, TritonTutorial)}
 
 
 def get_convention(convention, device: str = "cpu") -> Convention:
