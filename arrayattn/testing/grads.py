@@ -123,8 +123,8 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     factor = check_tolerance("factor", factor, optional=False)
     if not grads:
         raise ValueError("grads is empty: give at least one of dq, dk, dv, ...")
+    strict = rule == "same-dtype"       # asked for: a less accurate head fails
     dtypes, rule, half = _dtypes_and_rule(grads, rule, (q, k, v, do))
-    strict = rule == "same-dtype"       # a less accurate head fails (its own class)
     rec, args, options, theirs, how = _host_problem(grads, variant, q, k, v, do, params,
                                                     layout, profile)
     ref = _vjp(rec, args, options, "float64", how=how)

@@ -135,10 +135,20 @@ def _online(problem, work, *, lse=False, half=None):
         work, lse=lse)
 
 
-def _shifted_logits(problem):
-    """The options with the per-row constant a convention adds to its logits (the lse
-    shift) added as a bias: softmax-invariant, rounded at that size."""
-    shift = np.asarray(problem.lse_shift, dtype=np.float64)[..., None]
+def _shifts(problem) -> list:
+    """The per-row constants the convention's forms add to exact attention's logits: the
+    port's own (:attr:`Problem.lse_shift`, its lse includes it) and those of the forms its
+    authors ship (:attr:`Problem.form_shifts`)."""
+    if not _exact(problem):
+        return []
+    own = [] if problem.lse_shift is None else [problem.lse_shift]
+    return own + [s for s in problem.form_shifts if s is not None]
+
+
+def _shifted_logits(problem, shift):
+    """The options with a per-row constant added as a bias: softmax-invariant, rounded at
+    that size."""
+    shift = np.asarray(shift, dtype=np.float64)[..., None]
     n, s = problem.q.shape[-2], problem.k.shape[-2]
     bias = problem.options.get("bias")
     shape = np.broadcast_shapes(shift.shape[:-2] + (n, s), problem.q.shape[:-2] + (n, s),
@@ -147,15 +157,23 @@ def _shifted_logits(problem):
     return dict(problem.options, bias=np.ascontiguousarray(full))
 
 
+def _lse_as_port(lse, problem, shift):
+    """The lse of logits larger by ``shift`` as the port reports it (its own shift)."""
+    own = 0.0 if problem.lse_shift is None else problem.lse_shift
+    return lse - np.asarray(shift, dtype=np.float64) + own
+
+
 def _library_bias(problem, work, *, lse=False, half=None):
     args = cast_floating({"q": problem.q, "k": problem.k, "v": problem.v}, work)
-    opts = cast_floating(_shifted_logits(problem), work)
-    # the lse of the larger logits is the port's own (the reference's plus the shift)
-    return _reference(problem, args["q"], args["k"], args["v"], opts, lse=lse)
+    for shift in _shifts(problem):
+        opts = cast_floating(_shifted_logits(problem, shift), work)
+        res = _reference(problem, args["q"], args["k"], args["v"], opts, lse=lse)
+        res = _lse_as_port(res, problem, shift) if lse else res
+        yield res
 
 
 def _has_shift(problem) -> bool:
-    return _exact(problem) and problem.lse_shift is not None
+    return bool(_shifts(problem))
 
 
 def _exact_host(problem) -> bool:
@@ -179,56 +197,98 @@ def _upcast(problem, work, *, lse=False, half=None):
     return own if lse else round_to(own, half)   # an lse stays float32 in every kernel
 
 
-def _half_logits(problem, half, scale_first: bool):
-    """``(x, allowed, slope, q, k, v, options, ungroup, scale)``: exact attention's logits
-    in float32 from the inputs rounded to ``half`` (grouped heads split as the reference
-    splits them), the scores rounded to ``half`` as a plain evaluation stores them."""
+#: Where a plain half evaluation applies the scale: to the scores after the product
+#: (``"after"``, rounded once), to ``q`` first (``attention_ref(upcast=False)``), to ``k``
+#: first (its ``reorder_ops=True``), to the scores rounded after the product and again
+#: after the scale (``"hf"``: Hugging Face's eager ``matmul(q, k^T) * scaling``); or
+#: ``"fused"``: a fused kernel's float32 scores, probabilities and ``dP``, with the output
+#: stored in the half dtype and ``D = rowsum(dO O)`` formed from it (FlashAttention-2).
+ORDERS = ("after", "q", "k", "hf", "fused")
+
+
+def _half_logits(problem, half, order: str):
+    """Exact attention's logits as a plain half evaluation forms them, from the inputs
+    rounded to ``half`` (grouped heads split as the reference splits them): a dict with
+    ``x`` (the scores: the product rounded as ``order`` rounds it, the soft cap as three
+    half operations, then what the pipeline adds -- bias, ALiBi, masks -- added in half,
+    or in float32 after ``attention_ref``'s float32 bias), ``allowed``, ``slope`` (``dx /
+    d raw``), the float32 ``q, k, v`` the products read (the scaled one rounded),
+    ``ungroup``, ``scale`` (the factor left on the product: 1 when folded into an input)."""
     from ..core.heads import group_heads
     from ..exact.checks import checked_call
     from ..reference.logits import tile_logits
 
-    r = lambda x: round_to(x, half)                               # noqa: E731
-    q, k, v = (r(x).astype(np.float32) for x in (problem.q, problem.k, problem.v))
+    r = (lambda x: x) if order == "fused" else (lambda x: round_to(x, half))  # noqa: E731
+    q, k, v = (round_to(x, half).astype(np.float32) for x in (problem.q, problem.k,
+                                                              problem.v))
     options = cast_floating({key: val for key, val in problem.options.items()
                              if key not in ("return_lse", "block_size")}, "float32")
-    scale = _scale(problem)
-    if scale_first:
-        q, options = r(q * np.float32(scale)).astype(np.float32), dict(options, scale=1.0)
     grouped = group_heads(q, k, v, options)
     ungroup = None
     if grouped is not None:
         q, k, v, options, ungroup = grouped
     call = checked_call(q, k, v, **options)
     n, s = q.shape[-2], k.shape[-2]
-    x, allowed, slope = tile_logits(call.logits, q, k, 0, n, 0, s, slope=True)
-    shift = 0.0
-    if _has_shift(problem):                    # the logits as the convention forms them
-        shift = np.asarray(problem.lse_shift, dtype=np.float64)[..., None]
-        if grouped is not None:
-            shift = shift.reshape(*x.shape[:-2], n, 1)
-    x = r(np.asarray(x, dtype=np.float64) + shift)
-    if allowed is not None:
-        allowed = np.broadcast_to(np.asarray(allowed), x.shape)
+    full, allowed, slope = tile_logits(call.logits, q, k, 0, n, 0, s, slope=True)
+    full = np.asarray(full, dtype=np.float64)
+    scale = call.logits.scale
+    qs, ks = q, k
+    if order == "q":
+        qs = round_to(q * np.float32(scale), half).astype(np.float32)
+    elif order == "k":
+        ks = round_to(k * np.float32(scale), half).astype(np.float32)
+    raw = (q @ np.swapaxes(k, -1, -2)).astype(np.float64)        # the exact product
+    if order in ("q", "k"):
+        y = round_to((qs @ np.swapaxes(ks, -1, -2)).astype(np.float64), half)
+    elif order == "hf":
+        y = r(r(raw) * scale)
     else:
-        allowed = np.ones(x.shape, dtype=bool)
-    return x, allowed, slope, q, k, v, ungroup, (1.0 if scale_first else scale), shift
+        y = r(raw * scale)
+    cap = call.logits.softcap
+    if cap:
+        # three half operations; autograd's slope 1 - t^2 from the rounded tanh t (zero
+        # where t rounds to 1: a saturated cap passes no gradient in half)
+        t = r(np.tanh(r(y / cap)))
+        y = r(t * cap)
+        capped = cap * np.tanh(scale * raw / cap)
+        if order != "fused" and call.logits.score_mod is None:
+            slope = r(1.0 - r(t * t))
+    else:
+        capped = scale * raw
+    shift, shifts = 0.0, _shifts(problem)
+    if shifts:                                 # the logits as the convention forms them
+        shift = np.broadcast_to(np.asarray(shifts[-1], dtype=np.float64),
+                                problem.q.shape[:-1])[..., None]
+        if grouped is not None:
+            shift = shift.reshape(*full.shape[:-2], n, 1)
+    with np.errstate(invalid="ignore"):
+        rest = np.where(np.isfinite(full), full - capped, 0.0) + shift
+    added = y + rest if order in ("q", "k", "fused") else r(y + r(rest))
+    x = np.where(np.isfinite(full), np.where(rest != 0, added, y), full)
+    if order in ("q", "k"):                    # attention_ref adds a float32 bias
+        x = np.where(rest != 0, x.astype(np.float32), x)
+    allowed = (np.ones(x.shape, dtype=bool) if allowed is None
+               else np.broadcast_to(np.asarray(allowed), x.shape))
+    return dict(x=x, allowed=allowed, slope=slope, q=qs, k=ks, v=v, ungroup=ungroup,
+                scale=1.0 if order in ("q", "k") else scale, order=order,
+                shift=shifts[-1] if shifts else None)
 
 
-def _half_forward(problem, half, scale_first):
+def _half_forward(problem, half, order: str):
     r = lambda a: round_to(a, half)                               # noqa: E731
-    x, allowed, slope, q, k, v, ungroup, scale, shift = _half_logits(problem, half,
-                                                                     scale_first)
-    xs = np.where(allowed, x, -np.inf).astype(np.float32)
+    f = _half_logits(problem, half, order)
+    xs = np.where(f["allowed"], f["x"], -np.inf).astype(np.float32)
     m = np.max(xs, axis=-1, keepdims=True, initial=-np.inf)
     seen = np.isfinite(m)
     e = np.exp(xs - np.where(seen, m, 0.0).astype(np.float32))
     l = np.sum(e, axis=-1, keepdims=True, dtype=np.float32)
-    p = r(np.where(seen, e / np.where(l > 0, l, 1), 0.0))        # float32 softmax, half P
-    out = r(p.astype(np.float32) @ v)
+    p = np.where(seen, e / np.where(l > 0, l, 1), 0.0)            # float32 softmax
+    p = p if order == "fused" else r(p)                             # half P
+    f["out"] = r(p.astype(np.float32) @ f["v"])
     with np.errstate(divide="ignore"):
-        lse = np.where(seen, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
-    return dict(out=out, lse=lse, p=p, x=x, allowed=allowed, slope=slope, q=q, k=k, v=v,
-                ungroup=ungroup, scale=scale, shift=shift)
+        f["lse"] = np.where(seen, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
+    f["p"] = p
+    return f
 
 
 def _ungroup(f, out, lse):
@@ -238,52 +298,72 @@ def _ungroup(f, out, lse):
     return np.asarray(o), np.asarray(l)
 
 
-def _all_half(scale_first: bool):
+def _sum_to(g, shape: tuple):
+    """``g`` summed over the axes an argument of ``shape`` was broadcast along."""
+    g = np.asarray(g, dtype=np.float64)
+    if g.ndim > len(shape):
+        g = g.sum(axis=tuple(range(g.ndim - len(shape))))
+    axes = tuple(i for i, (a, b) in enumerate(zip(shape, g.shape)) if a == 1 and b != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+def _all_half(order: str):
     def evaluate(problem, work, *, lse=False, half=None):
-        f = _half_forward(problem, half, scale_first)
+        f = _half_forward(problem, half, order)
         out, l = _ungroup(f, f["out"], f["lse"])
         if problem.rows is not None:
             out, l = out[..., problem.rows, :], l[..., problem.rows]
         if not lse:
             return out
-        # the lse of the logits as formed: the convention's own (shift included), else
-        # the plain one with the profile's shift added exactly
-        return l if _has_shift(problem) else _with_shift(l, problem, True)
+        # the lse of the logits as formed, reported as the port reports its own
+        return (_with_shift(l, problem, True) if f["shift"] is None
+                else _lse_as_port(l, problem, f["shift"]))
     return evaluate
 
 
-def _all_half_grads(scale_first: bool):
+def _all_half_grads(order: str):
     """The backward of :func:`_half_forward` as a plain half evaluation computes it
     (autograd through half operations: each product rounded to ``half``)."""
     def evaluate(problem, do, half):
         r = lambda a: round_to(a, half)                           # noqa: E731
-        f = _half_forward(problem, half, scale_first)
+        f = _half_forward(problem, half, order)
         p, q, k, v = f["p"], f["q"], f["k"], f["v"]
         do = r(do).astype(np.float32)
         if f["ungroup"] is not None:          # do in the grouped layout of q
             do = do.reshape(q.shape[:-1] + (do.shape[-1],))
+        mid = (lambda a: a) if order == "fused" else r    # intermediates rounded
         vt = np.broadcast_to(v, p.shape[:-2] + v.shape[-2:])
-        dp = r(do @ np.swapaxes(vt, -1, -2).astype(np.float32))
-        # D as FlashAttention-2 forms it from the stored half output (the textbook form),
-        # as autograd through softmax forms it from dP and P (attention_ref's)
-        delta = (np.sum(dp * p, axis=-1, keepdims=True, dtype=np.float32) if scale_first
-                 else np.sum(do * f["out"], axis=-1, keepdims=True, dtype=np.float32))
-        ds = r(np.where(f["allowed"], p * (dp - delta), 0.0))
+        dp = mid(do @ np.swapaxes(vt, -1, -2).astype(np.float32))
+        # D as FlashAttention-2 forms it from the stored half output (the textbook and
+        # fused forms), as autograd through softmax forms it from dP and P (the others)
+        delta = (np.sum(do * f["out"], axis=-1, keepdims=True, dtype=np.float32)
+                 if order in ("after", "fused") else
+                 np.sum(dp * p, axis=-1, keepdims=True, dtype=np.float32))
+        ds = mid(np.where(f["allowed"], p * (dp - delta), 0.0))
         if f["slope"] is not None:
-            ds = r(ds * np.asarray(f["slope"], dtype=np.float64))
+            ds = mid(ds * np.asarray(f["slope"], dtype=np.float64))
+        if order == "hf":               # through r(raw * scale): d raw = r(ds scale)
+            ds = r(ds * f["scale"])
         ds32 = ds.astype(np.float32)
         kt = np.broadcast_to(k, p.shape[:-2] + k.shape[-2:]).astype(np.float32)
-        dq = r(ds32 @ kt)
-        dk = r(np.swapaxes(ds32, -1, -2) @ q.astype(np.float32))
-        dv = r(np.swapaxes(p, -1, -2).astype(np.float32) @ do)
-        if scale_first:                 # d(q scale) -> dq; k saw q already scaled
-            dq = r(dq * _scale(problem))
-        else:
-            dq, dk = r(dq * f["scale"]), r(dk * f["scale"])
+        dq = mid(ds32 @ kt)
+        dk = mid(np.swapaxes(ds32, -1, -2) @ q.astype(np.float32))
+        dv = mid(np.swapaxes(p, -1, -2).astype(np.float32) @ do)
+        scale = f["scale"] if order in ("after", "fused") else _scale(problem)
+        if order == "q":                # d(q scale) -> dq; k saw q already scaled
+            dq = r(dq * scale)
+        elif order == "k":
+            dk = r(dk * scale)
+        elif order in ("after", "fused"):
+            dq, dk = r(dq * scale), r(dk * scale)
+        if order == "fused":
+            dv = r(dv)
         if f["ungroup"] is not None:    # k, v broadcast over the group axis: sum it
             dk, dv = (np.sum(g, axis=-3) for g in (dk, dv))
             dq = dq.reshape(problem.q.shape)
-        return {"q": dq, "k": dk, "v": dv}
+        # arguments that broadcast (one key head for all): their gradient summed back
+        return {"q": _sum_to(dq, problem.q.shape), "k": _sum_to(dk, problem.k.shape),
+                "v": _sum_to(dv, problem.v.shape)}
     return evaluate
 
 
@@ -303,11 +383,13 @@ OUTPUT_FORMS = (
     Form("upcast", "inputs in the half dtype, computed in float32, rounded once "
          "(attention_ref(upcast=True), a fused kernel)", True, _always, _upcast),
     Form("half", "every intermediate in the half dtype: scores, softmax in float32 "
-         "between half matmuls, output (Hugging Face's eager attention)", True, _exact_host,
-         _all_half(False)),
+         "between half matmuls, output", True, _exact_host, _all_half("after")),
     Form("half, scale first", "every intermediate in the half dtype, the scale folded "
-         "into q first (attention_ref(upcast=False))", True, _exact_host,
-         _all_half(True)),
+         "into q first (attention_ref(upcast=False))", True, _exact_host, _all_half("q")),
+    Form("half, scale on k", "the scale folded into k first (attention_ref(upcast=False, "
+         "reorder_ops=True))", True, _exact_host, _all_half("k")),
+    Form("half, scores then scale", "matmul(q, k^T) rounded, then times the scale "
+         "(Hugging Face's eager attention)", True, _exact_host, _all_half("hf")),
 )
 
 
@@ -339,12 +421,13 @@ def output_baseline(problem, ref, *, dtype: str, half: str | None, lse: bool = F
     work = "float64" if dtype == "float64" else "float32"
     worst, finite = np.zeros(np.shape(ref)), True
     for form in forms_for(problem, half is not None):
-        res = form.evaluate(problem, work, lse=lse, half=half)
-        res = np.asarray(res, dtype=np.float64)
-        if res.shape != np.shape(ref):
-            continue
-        finite &= bool(np.all(np.isfinite(res) | ~np.isfinite(ref)))
-        worst = np.maximum(worst, _worst([res], ref))
+        results = form.evaluate(problem, work, lse=lse, half=half)
+        for res in (results if inspect.isgenerator(results) else [results]):
+            res = np.asarray(res, dtype=np.float64)
+            if res.shape != np.shape(ref):
+                continue
+            finite &= bool(np.all(np.isfinite(res) | ~np.isfinite(ref)))
+            worst = np.maximum(worst, _worst([res], ref))
         if covered is not None and not rounding.MEASURE_ALWAYS and covered(worst):
             break
     return worst, finite
@@ -365,6 +448,12 @@ def _grad_scale_first(vjp, args, options, work, how, problem):
 
 def _grad_online(vjp, args, options, work, how, problem):
     return vjp(args, dict(options, block_size=ONLINE_BLOCK), work, None)
+
+
+def _grad_library_bias(vjp, args, options, work, how, problem):
+    for shift in _shifts(problem):
+        p = replace(problem, options=options)
+        yield vjp(args, _shifted_logits(p, shift), work, None)
 
 
 def _grad_method(method, chunk=None):
@@ -403,16 +492,25 @@ GRAD_FORMS = (
     Form("textbook", "the reference backward in the working precision, inputs perturbed",
          False, _always, _grad_textbook),
     Form("scale first", "the scale folded into q first", False, _exact, _grad_scale_first),
+    Form("logits as formed", "the logits larger by the convention's per-row constant",
+         False, lambda p: _has_shift(p) and p.rows is None, _grad_library_bias),
     Form("online softmax", "FlashAttention-2's blockwise backward", False, _exact,
          _grad_online),
     Form("recurrent", "the gated recurrence's backward", False, _gated,
          _grad_method("recurrent")),
     Form("gate by cumulative sums", "dg = reverse cumsum(q dq - k dk), as fla's chunk "
          "kernels form it", False, _gate_problem, _grad_gate_cumsum),
-    Form("half", "autograd through a plain half evaluation", True, _exact_host,
-         _all_half_grads(False)),
+    Form("half", "a plain half backward, D from the stored output (FlashAttention-2)",
+         True, _exact_host, _all_half_grads("after")),
     Form("half, scale first", "autograd through attention_ref(upcast=False)", True,
-         _exact_host, _all_half_grads(True)),
+         _exact_host, _all_half_grads("q")),
+    Form("half, scale on k", "autograd through attention_ref(upcast=False, "
+         "reorder_ops=True)", True, _exact_host, _all_half_grads("k")),
+    Form("fused, stored output", "a fused kernel's float32 backward, D from the output "
+         "stored in the half dtype (FlashAttention-2)", True, _exact_host,
+         _all_half_grads("fused")),
+    Form("half, scores then scale", "autograd through Hugging Face's eager attention",
+         True, _exact_host, _all_half_grads("hf")),
 )
 
 
@@ -451,9 +549,10 @@ def grad_baseline(problem, vjp, args: dict, options: dict, ref: dict, *, work: s
                                                    groups, *g.shape[-2:]).sum(axis=-3), half)
         else:
             res = form.evaluate(backward, args, options, work, how, problem)
-        for name, g in res.items():
-            if name in worst and np.shape(g) == np.shape(ref[name]):
-                worst[name] = np.maximum(worst[name], _worst([g], ref[name]))
+        for one in (res if inspect.isgenerator(res) else [res]):
+            for name, g in one.items():
+                if name in worst and np.shape(g) == np.shape(ref[name]):
+                    worst[name] = np.maximum(worst[name], _worst([g], ref[name]))
         if covered is not None and not rounding.MEASURE_ALWAYS and covered(worst):
             break
     return worst

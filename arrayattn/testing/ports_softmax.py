@@ -92,6 +92,22 @@ def flash_alibi_lse_shift(q, k, o, window) -> np.ndarray | None:
     return slopes[..., None] * pos
 
 
+def flash_alibi_ref_shift(q, k, o) -> np.ndarray | None:
+    """FlashAttention's ``attention_ref`` forms causal ALiBi as ``slope (j - s + 1)``
+    (``attn_bias_from_alibi_slopes``, with any window): larger than arrayattn's ``-slope
+    |i + s - n - j|`` by ``slope (i + s - n - s + 1)`` per row (``s`` each sequence's
+    keys); ``None`` without causal ALiBi or for a paged cache."""
+    slopes = o["alibi_slopes"]
+    if slopes is None or not o["causal"] or o["block_table"] is not None:
+        return None
+    slopes = np.asarray(slopes, dtype=np.float64)
+    pos, seg = _row_positions(q, k, o)
+    if seg is not None:
+        keys = np.diff(np.asarray(o["cu_seqlens_k"]))[seg]
+        return (slopes[seg].T if slopes.ndim == 2 else slopes[:, None]) * (pos - keys + 1)
+    return slopes[..., None] * (pos - k.shape[-2] + 1)
+
+
 FLASH_OPTIONS = {"softmax_scale": None, "causal": False, "window_size": (-1, -1),
                  "softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0,
                  "dropout_mask": None, "deterministic": False, "return_attn_probs": False,
@@ -123,8 +139,10 @@ def prepare_flash_attn(q, k, v, params) -> Prepared:
     if o["cu_seqlens_q"] is not None and opts.get("alibi_slopes") is not None and np.ndim(
             opts["alibi_slopes"]) == 2:
         opts["bias"] = packed_alibi_bias(q, k, o, opts.pop("alibi_slopes"))
+    shift = flash_alibi_ref_shift(q, k, o)
     return Prepared("softmax", q, k, v, opts,
-                    lse_shift=flash_alibi_lse_shift(q, k, o, window))
+                    lse_shift=flash_alibi_lse_shift(q, k, o, window),
+                    form_shifts=() if shift is None else (shift,))
 
 
 def packed_alibi_bias(q, k, o, slopes) -> np.ndarray:

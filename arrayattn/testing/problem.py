@@ -66,7 +66,8 @@ def paged_reference(q, k, v, /, *, block_table, cache_seqlens, **options):
 @dataclass(repr=False)
 class Problem:
     """What is compared: ``reference(q, k, v, **options)`` (host arrays in ``"bhnd"``) under
-    the report name ``name``; ``rows``, ``lse_shift``, ``convert`` and ``notes`` as the
+    the report name ``name``; ``rows``, ``lse_shift``, ``convert``, ``form_shifts`` and
+    ``notes`` as the
     profile's :class:`~arrayattn.testing.Prepared` has them."""
 
     name: str
@@ -81,6 +82,7 @@ class Problem:
     notes: list = field(default_factory=list)
     lse_shift: np.ndarray | None = None
     convert: Callable | None = None
+    form_shifts: tuple = ()
 
     def evaluate(self, dtype: str = "float64", nudge=None, *, lse: bool = False,
                  options_too: bool = False) -> np.ndarray:
@@ -156,4 +158,4 @@ def prepare(variant, q, k, v, *, layout=None, profile=None, params=None) -> Prob
     name, reference = _reference_of(prep.variant, prep.options)
     return Problem(name, reference, prep.q, prep.k, prep.v, prep.options, layout,
                    None if prof is None else prof.name, prep.rows, list(prep.notes),
-                   prep.lse_shift, prep.convert)
+                   prep.lse_shift, prep.convert, tuple(prep.form_shifts))

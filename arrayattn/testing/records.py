@@ -48,8 +48,12 @@ class Prepared:
     and ``options`` in arrayattn's conventions, the query ``rows`` of the reference that
     correspond to the port's output (``None``: all), ``notes`` on known deviations,
     ``lse_shift`` (added to the reference's log-sum-exp where the port's differs by a
-    constant per row; broadcasts against ``(..., n)``) and ``convert`` (applied to every
-    array before the reference runs, e.g. onto torch for a torch-written ``score_mod``)."""
+    constant per row; broadcasts against ``(..., n)``), ``convert`` (applied to every
+    array before the reference runs, e.g. onto torch for a torch-written ``score_mod``)
+    and ``form_shifts`` (per-row constants, like ``lse_shift``, that the forms the port's
+    authors ship add to the logits -- FlashAttention's ``attention_ref`` forms causal
+    ALiBi as ``slope (j - s + 1)`` -- rounded at that size by a plain evaluation:
+    :mod:`arrayattn.testing.plain`)."""
 
     variant: str
     q: np.ndarray
@@ -60,6 +64,7 @@ class Prepared:
     notes: list = field(default_factory=list)
     lse_shift: np.ndarray | None = None
     convert: Callable | None = None
+    form_shifts: tuple = ()
 
 
 def take_options(params: dict, profile: str, allowed: dict) -> dict:
