@@ -28,6 +28,10 @@ class KernelCheck:
         The repro file written (``repro=``), judged by :attr:`validate`.
     validate : str or None
         The ``arrayattn validate`` command line that judges the repro file.
+    explanation : Explanation or None
+        What the finding likely is (:mod:`arrayattn.testing.check.explain`): the named
+        deviation its results match (``.likely``, ``.names``) and the dimensions the
+        failure needs (``.dims``).
     """
 
     convention: str
@@ -43,6 +47,7 @@ class KernelCheck:
     worst_ratio: float = 0.0
     worst_case: object = None
     dtypes: tuple = ()
+    explanation: object = None
 
     def summary(self) -> str:
         """What was run and covered, and the finding (its case, outputs, heads, errors)."""
@@ -64,6 +69,8 @@ class KernelCheck:
         lines.append(f"FOUND after {self.time_to_finding:.1f} s; smallest failing case: "
                      f"{f.case.describe()}")
         lines += ["  " + line for line in f.verdict.lines()]
+        if self.explanation is not None:
+            lines += self.explanation.lines()
         if self.repro:
             lines.append(f"repro: {self.repro}; judge it with: {self.validate}")
         return "\n".join(lines)
@@ -74,7 +81,7 @@ class KernelCheck:
 
 def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=None,
                  grads: bool = True, skip=(), repro=None, device: str = "cpu",
-                 log=None) -> KernelCheck:
+                 log=None, explain: bool = True) -> KernelCheck:
     """Search for a case where ``fn`` disagrees with arrayattn's float64 reference.
 
     Parameters
@@ -99,6 +106,16 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
         Options never drawn.
     repro : str, optional
         Where to write the repro ``.npz`` of a finding.
+    device : str
+        Where the kernel's tensors are put (``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; torch
+        conventions); the referee always runs on the host in float64.
+    log : callable, optional
+        Called with one line of text at each step worth telling (a catalogue or random
+        case that fails and is being shrunk, an option found unsupported); the command
+        line passes a printer to stderr.  ``None``: silent.
+    explain : bool
+        After shrinking, name the likely mistake and the dimensions the failure needs
+        (:func:`arrayattn.testing.check.explain.explain`: a few more evaluations).
 
     Returns
     -------
@@ -130,10 +147,24 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
                       time_to_finding=search.first_found)
     if found is not None:
         res.failure = search.evaluate(found)
+        if explain:
+            res.explanation = _explain(fn, conv, found, dtypes, log)
         if repro:
             from .repro import write_repro
             res.repro, res.validate = repro, write_repro(repro, conv, fn, found)
     return res
+
+
+def _explain(fn, conv, case, dtypes, log):
+    """The finding's explanation; None (and a log line) if explaining it failed: an
+    explanation never costs the finding."""
+    from .explain import explain
+    try:
+        return explain(fn, conv, case, dtypes)
+    except Exception as exc:  # pragma: no cover - defensive
+        if log is not None:
+            log(f"explaining the finding failed: {type(exc).__name__}: {exc}")
+        return None
 
 
 def assert_kernel_conforms(fn, convention, **kwargs) -> KernelCheck:

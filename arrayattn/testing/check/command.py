@@ -32,11 +32,16 @@ def check_writable(label: str, path: str, opener=open) -> None:
 
 
 def load_kernel(spec: str, what: str = "kernel"):
-    """``MODULE:NAME`` (dotted attributes allowed) -> the object; ValueError otherwise."""
+    """``MODULE:NAME`` (dotted attributes allowed) -> the object; ValueError otherwise.
+    ``MODULE`` is looked up in the current directory first."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"{what} must be MODULE:NAME (e.g. torch.nn.functional:"
                          f"scaled_dot_product_attention); got {spec!r}")
+    # the current directory first, as `python -m` and pytest do (the console script's
+    # sys.path starts at its own bin directory)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         obj = importlib.import_module(module)
     except Exception as exc:
@@ -127,6 +132,9 @@ def _as_json(res) -> dict:
             "worst_ratio": res.worst_ratio,
             "covered": {k: sorted(v) if isinstance(v, set) else v
                         for k, v in res.covered.items()},
-            "failure": None if f is None else {"case": f.case.describe(),
-                                               "lines": f.verdict.lines()},
+            "failure": None if f is None else {
+                "case": f.case.describe(), "lines": f.verdict.lines(),
+                "likely": None if res.explanation is None else res.explanation.likely,
+                "deviations": [] if res.explanation is None else res.explanation.names,
+                "dimensions": None if res.explanation is None else res.explanation.dims},
             "repro": res.repro, "validate": res.validate}
