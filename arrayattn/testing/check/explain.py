@@ -643,7 +643,7 @@ def _grad_alts(dev: Deviation, run: Run, ctx: Ctx, conv):
         p = dev.native(p, ctx)
         if p is None:
             return None
-    if p.reference is not rec.reference:
+    if p.reference != rec.reference:
         return "skip"                   # a reference of its own: no vjp (gradients unjudged)
     tiled = "gqa-tiled" in p.notes
     ref = _vjp(rec,

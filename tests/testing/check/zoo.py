@@ -21,6 +21,8 @@ def _visible(n, s, causal, window, bug, offset=None):
     left, right = window
     if causal:
         right = 0
+        if bug == "window_ignored_causal":
+            left = -1
     if left is not None and left >= 0:
         vis &= j >= i + off - left - (1 if bug == "window_off_by_one" else 0)
     if right is not None and right >= 0:
@@ -38,12 +40,16 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
     k, v = k[:, idx], v[:, idx]
     if bug == "scale_twice":
         scale = scale * scale
+    elif bug == "no_scale":
+        scale = 1.0
     s = q @ k.transpose(-1, -2) * scale
+    if bug == "softcap_before_scale" and softcap:
+        s = softcap * torch.tanh(s / scale / softcap) * scale
     n, m = s.shape[-2:]
     if m == 0:  # no key at all: zeros, lse +inf (FlashAttention's)
         return (torch.zeros(*q.shape[:-1], v.shape[-1]).to(dt),
                 torch.full(q.shape[:-1], float("inf")))
-    if softcap and bug != "softcap_after_mask":
+    if softcap and bug not in ("softcap_after_mask", "softcap_before_scale"):
         s = s / softcap if bug == "softcap_no_factor" else softcap * torch.tanh(s / softcap)
     if alibi is not None:
         i = torch.arange(n)[:, None] + offset
@@ -54,6 +60,8 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
         slopes = alibi.float().reshape(-1 if alibi.ndim == 1 else alibi.shape[0], *(
             () if alibi.ndim == 1 else (hq,)))
         slopes = slopes[None, :, None, None] if alibi.ndim == 1 else slopes[:, :, None, None]
+        if bug == "alibi_first_head":
+            slopes = slopes[:, :1].expand(slopes.shape)
         s = s + sign * slopes * dist
     if bug == "tile_drops_last_key" and n > 64:
         vis = vis.clone()
@@ -81,6 +89,8 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
     else:
         out = (p @ v) / den
     lse = (torch.log(den) + safe)[..., 0]
+    if bug == "lse_unscaled":
+        lse = torch.logsumexp((s / scale).masked_fill(~vis, NEG), -1)
     if bug == "lse_log2":
         lse = lse / math.log(2)
     elif bug == "lse_no_max":
@@ -155,6 +165,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table
         length = int(cache_seqlens[b])
         if bug == "partial_page_ignored":
             length = length // page * page
+        elif bug == "kvcache_past_seqlens":
+            length = min(-(-length // page) * page, block_table.shape[1] * page)
         k = k_cache[block_table[b].long()].reshape(-1, *k_cache.shape[2:])[:length]
         v = v_cache[block_table[b].long()].reshape(-1, *v_cache.shape[2:])[:length]
         sl = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.ndim == 1
@@ -288,6 +300,30 @@ ZOO = [("flash_attn", flash_attn_func, b) for b in (
     ("fla_gated_delta_rule", fla_gated_delta_rule, "gate_late"),
     ("jax_dot_product_attention", jax_attention, "jax_bottom_right"),
 ]
+
+#: More bugs, judged by the explanation's tests only (tests/testing/check/test_explain.py):
+#: (convention, kernel, bug, the named deviation expected).
+MORE = [("flash_attn", flash_attn_func, "no_scale", "scale_one"),
+        ("flash_attn", flash_attn_func, "alibi_first_head", "alibi_first_head"),
+        ("flash_attn", flash_attn_func, "lse_unscaled", "lse_unscaled"),
+        ("flash_attn", flash_attn_func, "softcap_before_scale", "softcap_before_scale"),
+        ("flash_attn_kvcache", flash_attn_with_kvcache, "kvcache_past_seqlens",
+         "kvcache_past_seqlens")]
+
+#: The named deviation of each ZOO bug (None: none in the catalogue).
+EXPECTED = {
+    "causal_top_left": "causal_top_left", "window_off_by_one": "window_left_plus_one",
+    "gqa_mod": "gqa_tiled", "no_max_shift": None, "scale_twice": "scale_twice",
+    "sqrt_dv": "scale_sqrt_dv", "softcap_no_factor": "softcap_division",
+    "softcap_after_mask": "softcap_after_bias", "alibi_sign": "alibi_sign",
+    "lse_log2": "lse_base2", "lse_no_max": "lse_no_max", "empty_row_nan": "empty_rows_nan",
+    "empty_row_mean": "empty_rows_mean", "dk_missing_scale": "dk_missing_scale",
+    "dv_not_transposed": None, "fp16_pv": None, "tile_drops_last_key": None,
+    "varlen_off_by_one": "varlen_across_boundary",
+    "partial_page_ignored": "kvcache_partial_page_ignored",
+    "bottom_right": "causal_bottom_right", "state_missing_last_chunk": None,
+    "gate_late": "gates_one_token_late", "init_ignored": "initial_state_ignored",
+    "beta_on_v_only": "delta_beta_on_v_only", "jax_bottom_right": "causal_bottom_right"}
 
 #: The clean kernels, one per convention.
 CLEAN = {conv: fn for conv, fn, _ in ZOO}
