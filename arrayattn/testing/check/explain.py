@@ -469,8 +469,8 @@ DEVIATIONS = [
     Deviation("scale_ignored", "the explicit softmax scale ignored (1/sqrt(d) used)",
               native=_scale_to(lambda p, c: p.q.shape[-1] ** -0.5 if c.explicit_scale()
                                else None)),
-    Deviation("causal_top_left", "causal / window aligned top-left (SDPA's), not "
-              "bottom-right", native=_top_left, conventions=_BR),
+    Deviation("causal_top_left", "causal aligned top-left (SDPA's), not bottom-right "
+              "(windows too)", native=_top_left, conventions=_BR),
     Deviation("causal_bottom_right", "causal aligned bottom-right (FlashAttention's), not "
               "top-left", native=_bottom_right,
               conventions=("sdpa", "jax_dot_product_attention")),
