@@ -69,6 +69,19 @@ def test_bug_outside_the_catalogue_names_nothing(conv, bug):
     assert res.explanation.likely.startswith("no named deviation matches")
 
 
+@pytest.mark.parametrize("bug,options,expected", [
+    ("gqa_grad_one_head", {"backward": True}, "grouped_dkdv_one_head"),
+    ("window_ignored_causal", {"causal": True, "window_size": (2, 5)},
+     "window_ignored_when_causal")])
+def test_explain_names_a_given_case(bug, options, expected):
+    """Bugs the search reaches only by random draws (too slow for a test's budget): the
+    explanation of a failing case given directly."""
+    from arrayattn.testing.check.cases import Case
+    case = Case(hq=4, hkv=2, n=3, s=6, d=8, dv=8).with_options(**options)
+    exp = explain(broken(CLEAN["flash_attn"], bug), get_convention("flash_attn"), case)
+    assert exp is not None and exp.names[:1] == [expected], exp
+
+
 def test_dimensions_say_what_the_failure_needs():
     res = _check("flash_attn", KERNEL["flash_attn", "causal_top_left"], "causal_top_left")
     dims = res.explanation.dims

@@ -37,7 +37,10 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
     q, k, v = q.float(), k.float(), v.float()
     hq, hkv = q.shape[1], k.shape[1]
     idx = torch.arange(hq) % hkv if bug == "gqa_mod" else torch.arange(hq) // (hq // hkv)
-    k, v = k[:, idx], v[:, idx]
+    if bug == "gqa_grad_one_head" and hq != hkv:
+        k, v = _OneHead.apply(k, idx, hq // hkv), _OneHead.apply(v, idx, hq // hkv)
+    else:
+        k, v = k[:, idx], v[:, idx]
     if bug == "scale_twice":
         scale = scale * scale
     elif bug == "no_scale":
@@ -119,6 +122,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                            left is None or left < 0 or left >= (seqlen_k or s)))
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out
+
+
+class _OneHead(torch.autograd.Function):
+    """Key/value heads repeated over their group; the backward keeps the first query head's
+    gradient of each group instead of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, idx, group):
+        ctx.group = group
+        return x[:, idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, ::ctx.group], None, None
 
 
 class _DvBug(torch.autograd.Function):
