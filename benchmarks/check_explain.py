@@ -59,8 +59,9 @@ def main(argv=None) -> int:
              "| convention | bug | expected | named | likely | dimensions | s |",
              "|---|---|---|---|---|---|---|"]
     for conv, bug, expected, named, likely, dims, took in rows:
+        likely, dims = (text.replace("|", "\\|") for text in (likely, dims))
         lines.append(f"| {conv} | {bug} | {expected or '(none)'} | {named or '(none)'} | "
-                     f"{likely.replace('|', '/')} | {dims.replace('|', '/')} | {took:.1f} |")
+                     f"{likely} | {dims} | {took:.1f} |")
     path = os.path.join(HERE, "results", "check_explain.md")
     head = "" if os.path.exists(path) else (
         "# The checker's explanation on the zoo (benchmarks/check_explain.py)\n\n"
