@@ -455,6 +455,30 @@ def _grouped_from_one_head(rec, args, options, how, ctx):
             "v": res["v"][..., ::group, :, :]}
 
 
+def _dv_unmasked(rec, args, options, how, ctx):
+    """dV from ``P`` over every key (the hidden ones at ``exp(l - lse)``), not the masked
+    ``P``."""
+    from ..grads import _vjp
+    hidden = ("window", "causal", "mask", "key_mask")
+    if rec.name != "softmax" or not any(options.get(k) is not None and options.get(k) is
+                                        not False for k in hidden) or options.get(
+            "cu_seqlens_q") is not None or options.get("score_mod") is not None:
+        return None
+    p = Problem(rec.name, rec.reference, args["q"], args["k"], args["v"], dict(options))
+    bare = _with(p, **{k: None for k in hidden})
+    probs = _probabilities(bare)
+    with np.errstate(invalid="ignore", over="ignore"):
+        shift = np.exp(bare.evaluate(lse=True) - p.evaluate(lse=True))
+    shift = np.where(np.isfinite(shift), shift, 0.0)
+    every = probs * shift[..., None]                               # (b, hq, n, s)
+    dv = np.swapaxes(every, -1, -2) @ args["do"]                   # (b, hq, s, dv)
+    hkv = ctx.case.hkv
+    if dv.shape[-3] != hkv:
+        dv = dv.reshape(*dv.shape[:-3], hkv, dv.shape[-3] // hkv, *dv.shape[-2:]).sum(-3)
+    ref = _vjp(rec, args, options, "float64", how=how)
+    return {**ref, "v": dv}
+
+
 _BR = ("flash_attn", "flash_attn_varlen", "flash_attn_kvcache", "custom")
 
 #: The catalogue of named deviations, most common first.
@@ -531,6 +555,8 @@ DEVIATIONS = [
               "an exclusive cumulative sum of the gates)", native=_gates_late),
     Deviation("dk_missing_scale", "dk missing the softmax scale (dk / scale)",
               result=_dk_no_scale, items=("dk",)),
+    Deviation("dv_unmasked_p", "dv from the attention weights of every key, the hidden "
+              "ones included (exp(l - lse) unmasked)", grads=_dv_unmasked, items=("dv",)),
     Deviation("grouped_dkdv_one_head", "grouped dK/dV taken from the first query head of "
               "each group, not summed over the group", grads=_grouped_from_one_head,
               items=("dk", "dv")),

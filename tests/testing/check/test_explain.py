@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("hypothesis")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from zoo import CLEAN, EXPECTED, MORE, ZOO, broken  # noqa: E402
+from zoo import CLEAN, EXPECTED, GIVEN, MORE, ZOO, broken  # noqa: E402
 
 from arrayattn import cli  # noqa: E402
 from arrayattn.testing import check_kernel, compare_grads, compare_lse  # noqa: E402
@@ -69,10 +69,7 @@ def test_bug_outside_the_catalogue_names_nothing(conv, bug):
     assert res.explanation.likely.startswith("no named deviation matches")
 
 
-@pytest.mark.parametrize("bug,options,expected", [
-    ("gqa_grad_one_head", {"backward": True}, "grouped_dkdv_one_head"),
-    ("window_ignored_causal", {"causal": True, "window_size": (2, 5)},
-     "window_ignored_when_causal")])
+@pytest.mark.parametrize("bug,options,expected", GIVEN, ids=[g[0] for g in GIVEN])
 def test_explain_names_a_given_case(bug, options, expected):
     """Bugs the search reaches only by random draws (too slow for a test's budget): the
     explanation of a failing case given directly."""

@@ -69,6 +69,7 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
     if bug == "tile_drops_last_key" and n > 64:
         vis = vis.clone()
         vis[64:, -1] = False
+    unmasked = s
     s = s.masked_fill(~vis, NEG)
     if softcap and bug == "softcap_after_mask":
         s = softcap * torch.tanh(s / softcap)
@@ -91,6 +92,9 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
         out = acc.float() / den
     else:
         out = (p @ v) / den
+    if bug == "dv_unmasked_p":   # dv from P over every key, hidden ones included
+        p_all = torch.where(empty, 0.0, torch.exp(unmasked - safe) / den).detach()
+        out = (p @ v.detach()) / den + (p_all @ v - (p_all @ v).detach())
     lse = (torch.log(den) + safe)[..., 0]
     if bug == "lse_unscaled":
         lse = torch.logsumexp((s / scale).masked_fill(~vis, NEG), -1)
@@ -325,7 +329,14 @@ MORE = [("flash_attn", flash_attn_func, "no_scale", "scale_one"),
         ("flash_attn", flash_attn_func, "lse_unscaled", "lse_unscaled"),
         ("flash_attn", flash_attn_func, "softcap_before_scale", "softcap_before_scale"),
         ("flash_attn_kvcache", flash_attn_with_kvcache, "kvcache_past_seqlens",
-         "kvcache_past_seqlens")]
+         "kvcache_past_seqlens"),
+        ("flash_attn", flash_attn_func, "dv_unmasked_p", "dv_unmasked_p")]
+
+#: Bugs the search reaches by random draws only (too slow for a test's budget), explained
+#: on a given case: (bug, the case's options, the named deviation expected).
+GIVEN = [("gqa_grad_one_head", {"backward": True}, "grouped_dkdv_one_head"),
+         ("window_ignored_causal", {"causal": True, "window_size": (2, 5)},
+          "window_ignored_when_causal")]
 
 #: The named deviation of each ZOO bug (None: none in the catalogue).
 EXPECTED = {
