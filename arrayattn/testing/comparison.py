@@ -25,7 +25,8 @@ class Comparison:
     max_abs, tolerance : ndarray, shape ``(heads,)``
         Largest absolute error and the allowed absolute error.
     worst : list of tuple
-        ``(query, column)`` of the largest error in each head.
+        ``(row, column)`` of the largest error in each head: ``(query, output feature)`` for
+        an output (:meth:`position` says it in words).
     own_error : ndarray, shape ``(heads,)``
         Largest error of arrayattn's own evaluation in the output's precision.
     ref_scale : ndarray, shape ``(heads,)``
@@ -148,15 +149,35 @@ class Comparison:
         """Whether every head is within its tolerance."""
         return not self.failing
 
+    def position(self, i: int) -> str:
+        """Where head ``i``'s largest error is, in words: ``query 0, output feature 6`` for
+        an output, ``query 3`` for a log-sum-exp, ``key 2, feature 5`` for ``dk`` / ``dv``,
+        ``query 1, feature 0`` for ``dq``, ``key feature 1, value feature 4`` for a final
+        state (read from the comparison's name, e.g. ``"softmax lse"``)."""
+        row, col = self.worst[i]
+        kind = self.variant.rsplit(" ", 1)[-1] if " " in self.variant else "out"
+        if kind == "lse":
+            return f"query {row}"
+        if kind in ("dk", "dv"):
+            return f"key {row}, feature {col}"
+        if kind == "dq":
+            return f"query {row}, feature {col}"
+        if kind == "final_state":
+            return f"key feature {row}, value feature {col}"
+        if kind.startswith("d"):                  # a gate's or another argument's gradient
+            return f"token {row}, entry {col}"
+        return f"query {row}, output feature {col}"
+
     def head_line(self, i: int) -> str:
-        """One line on head ``i``: its largest error, where, and its tolerance."""
-        qi, ci = self.worst[i]
+        """One line on head ``i``: its largest error, where (:meth:`position`), and its
+        tolerance."""
+        where = self.position(i)
         if not np.isfinite(self.max_abs[i]):
-            return (f"head {self.heads[i]}: non-finite error at query {qi}, column {ci} "
+            return (f"head {self.heads[i]}: non-finite error at {where} "
                     "(a NaN or inf in the output or the reference, not in both alike; never "
                     "within tolerance)")
-        return (f"head {self.heads[i]}: max abs error {self.max_abs[i]:.3g} at query {qi}, "
-                f"column {ci} (relative {self.rel[i]:.3g}, tolerance {self.tolerance[i]:.3g})")
+        return (f"head {self.heads[i]}: max abs error {self.max_abs[i]:.3g} at {where} "
+                f"(relative {self.rel[i]:.3g}, tolerance {self.tolerance[i]:.3g})")
 
     def _less_accurate_line(self) -> str:
         i = max(self.less_accurate, key=lambda j: self.max_abs[j] / max(self.own_error[j],

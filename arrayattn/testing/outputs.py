@@ -268,7 +268,7 @@ def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, l
 
     Runs :func:`compare_to_reference` (see there for the tolerance derivation) and
     raises ``AssertionError`` naming the worst heads, their largest errors and the
-    positions ``(query, column)`` where they occur.
+    positions (query, output feature) where they occur.
 
     Parameters
     ----------
@@ -313,7 +313,7 @@ def assert_matches_reference(out, variant, q, k, v, /, *, rtol=None, atol=0.0, l
     >>> assert_matches_reference(mine, "softmax", q, k, v)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    AssertionError: MISMATCH: softmax, 1 of 4 head(s) over tolerance (float64 output); worst (by error / tolerance) head (2,): max abs error 1e-06 at query 7, column 3 ...
+    AssertionError: MISMATCH: softmax, 1 of 4 head(s) over tolerance (float64 output); worst (by error / tolerance) head (2,): max abs error 1e-06 at query 7, output feature 3 ...
     """
     c = compare_to_reference(out, variant, q, k, v, rtol=rtol, atol=atol, layout=layout,
                              profile=profile, **params)

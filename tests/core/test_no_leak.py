@@ -61,6 +61,9 @@ def _on(backend, fn):
     return call
 
 
+# an infinite key times a zero query entry is NaN in the scores' matmul (inf - inf in a
+# max shift, in a reduction): fed on purpose, the test checks where it goes
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("which, bad", [("v", np.nan), ("k", np.inf)])
 @pytest.mark.parametrize("rec", RECORDS, ids=[r.name for r in RECORDS])
 def test_a_bad_token_reaches_only_the_rows_that_see_it(rec, backend, which, bad, rng):

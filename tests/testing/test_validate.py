@@ -61,7 +61,7 @@ class TestCompareToReference:
         c = compare_to_reference(out, "softmax", q, k, v)
         assert [c.heads[i] for i in c.failing] == [head]
         with pytest.raises(AssertionError, match=rf"head \({head[0]}, {head[1]}\): max abs "
-                           r"error 0\.001 at query 5, column 3"):
+                           r"error 0\.001 at query 5, output feature 3"):
             assert_matches_reference(out, "softmax", q, k, v)
 
     def test_tolerance_boundary(self, qkv32):
@@ -237,7 +237,7 @@ class TestValidateCommand:
         assert code == 1
         verdict = out.strip().splitlines()[-1]
         assert verdict.startswith("MISMATCH: softmax, 1 of 6 head(s) over tolerance")
-        assert "head (1, 2): max abs error 0.001 at query 10, column 4" in verdict
+        assert "head (1, 2): max abs error 0.001 at query 10, output feature 4" in verdict
         fails = [ln for ln in out.splitlines() if ln.endswith("FAIL")]
         assert len(fails) == 1 and fails[0].startswith("(1, 2)")
 

@@ -36,6 +36,10 @@ class KernelCheck:
         The ``arrayattn validate`` command line that judges the repro file.
     notes : list of str
         What went wrong besides the kernel (a repro file that could not be written).
+    explanation : Explanation or None
+        What the finding likely is (:mod:`arrayattn.testing.check.explain`): the named
+        deviation its results match (``.likely``, ``.names``) and the dimensions the
+        failure needs (``.dims``).
     """
 
     convention: str
@@ -54,6 +58,7 @@ class KernelCheck:
     flaky: bool = False
     rerun: Outcome | None = None
     notes: list = field(default_factory=list)
+    explanation: object = None
 
     def summary(self) -> str:
         """What was run and covered, and the finding (its case, outputs, heads, errors)."""
@@ -79,6 +84,8 @@ class KernelCheck:
         lines += ["  " + line for line in f.verdict.lines()]
         if self.flaky:
             lines.append("  " + rerun_line(self.rerun))
+        if self.explanation is not None:
+            lines += self.explanation.lines()
         if self.repro:
             lines.append(f"repro: {self.repro}; judge it with: {self.validate}")
         lines += [f"note: {note}" for note in self.notes]
@@ -102,7 +109,7 @@ def rerun_line(rerun: Outcome | None) -> str:
 
 def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=None,
                  grads: bool = True, skip=(), repro=None, device: str = "cpu",
-                 log=None) -> KernelCheck:
+                 log=None, explain: bool = True) -> KernelCheck:
     """Search for a case where ``fn`` disagrees with arrayattn's float64 reference.
 
     Parameters
@@ -129,9 +136,15 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
         Where to write the repro ``.npz`` of a finding (``arrayattn validate FILE`` judges
         it alone; a kernel that raised: its inputs, options and the error).
     device : str
-        Where the convention puts the arrays (``"cpu"``, ``"cuda"``).
+        Where the kernel's tensors are put (``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; torch
+        conventions); the referee always runs on the host in float64.
     log : callable, optional
-        Called with a line of progress (a finding, an unsupported feature).
+        Called with one line of text at each step worth telling (a catalogue or random
+        case that fails and is being shrunk, an option found unsupported); the command
+        line passes a printer to stderr.  ``None``: silent.
+    explain : bool
+        After shrinking, name the likely mistake and the dimensions the failure needs
+        (:func:`arrayattn.testing.check.explain.explain`: a few more evaluations).
 
     Returns
     -------
@@ -163,6 +176,9 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
                       time_to_finding=search.first_found)
     if found is not None:
         _classify(res, search, found)
+        if explain and not res.flaky and res.failure.verdict is not None \
+                and res.failure.verdict.error is None:
+            res.explanation = _explain(fn, conv, found, dtypes, log)
         if repro:
             _write(res, repro, conv, fn)
     return res
@@ -191,6 +207,18 @@ def _write(res: KernelCheck, path: str, conv, fn) -> None:
     except Exception as exc:  # never lose the finding over its repro file
         res.notes.append(f"the repro file {path} could not be written: "
                          f"{type(exc).__name__}: {exc}")
+
+
+def _explain(fn, conv, case, dtypes, log):
+    """The finding's explanation; None (and a log line) if explaining it failed: an
+    explanation never costs the finding."""
+    from .explain import explain
+    try:
+        return explain(fn, conv, case, dtypes)
+    except Exception as exc:  # pragma: no cover - defensive
+        if log is not None:
+            log(f"explaining the finding failed: {type(exc).__name__}: {exc}")
+        return None
 
 
 def assert_kernel_conforms(fn, convention, **kwargs) -> KernelCheck:

@@ -33,11 +33,16 @@ def check_writable(label: str, path: str, opener=open) -> None:
 
 
 def load_kernel(spec: str, what: str = "kernel"):
-    """``MODULE:NAME`` (dotted attributes allowed) -> the object; ValueError otherwise."""
+    """``MODULE:NAME`` (dotted attributes allowed) -> the object; ValueError otherwise.
+    ``MODULE`` is looked up in the current directory first."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"{what} must be MODULE:NAME (e.g. torch.nn.functional:"
                          f"scaled_dot_product_attention); got {spec!r}")
+    # the current directory first, as `python -m` and pytest do (the console script's
+    # sys.path starts at its own bin directory)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         obj = importlib.import_module(module)
     except Exception as exc:
@@ -133,8 +138,11 @@ def _as_json(res) -> dict:
             "covered": {k: sorted(v) if isinstance(v, set) else v
                         for k, v in res.covered.items()},
             "status": res.status, "flaky": res.flaky,
-            "failure": None if f is None else {"case": f.case.describe(),
-                                               "lines": f.verdict.lines()},
+            "failure": None if f is None else {
+                "case": f.case.describe(), "lines": f.verdict.lines(),
+                "likely": None if res.explanation is None else res.explanation.likely,
+                "deviations": [] if res.explanation is None else res.explanation.names,
+                "dimensions": None if res.explanation is None else res.explanation.dims},
             "rerun": None if res.rerun is None or f is None else {
                 "fails": not res.flaky,
                 "lines": [] if res.rerun.verdict is None else res.rerun.verdict.lines(),

@@ -21,6 +21,8 @@ def _visible(n, s, causal, window, bug, offset=None):
     left, right = window
     if causal:
         right = 0
+        if bug == "window_ignored_causal":
+            left = -1
     if left is not None and left >= 0:
         vis &= j >= i + off - left - (1 if bug == "window_off_by_one" else 0)
     if right is not None and right >= 0:
@@ -35,15 +37,22 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
     q, k, v = q.float(), k.float(), v.float()
     hq, hkv = q.shape[1], k.shape[1]
     idx = torch.arange(hq) % hkv if bug == "gqa_mod" else torch.arange(hq) // (hq // hkv)
-    k, v = k[:, idx], v[:, idx]
+    if bug == "gqa_grad_one_head" and hq != hkv:
+        k, v = _OneHead.apply(k, idx, hq // hkv), _OneHead.apply(v, idx, hq // hkv)
+    else:
+        k, v = k[:, idx], v[:, idx]
     if bug == "scale_twice":
         scale = scale * scale
+    elif bug == "no_scale":
+        scale = 1.0
     s = q @ k.transpose(-1, -2) * scale
+    if bug == "softcap_before_scale" and softcap:
+        s = softcap * torch.tanh(s / scale / softcap) * scale
     n, m = s.shape[-2:]
     if m == 0:  # no key at all: zeros, lse +inf (FlashAttention's)
         return (torch.zeros(*q.shape[:-1], v.shape[-1]).to(dt),
                 torch.full(q.shape[:-1], float("inf")))
-    if softcap and bug != "softcap_after_mask":
+    if softcap and bug not in ("softcap_after_mask", "softcap_before_scale"):
         s = s / softcap if bug == "softcap_no_factor" else softcap * torch.tanh(s / softcap)
     if alibi is not None:
         i = torch.arange(n)[:, None] + offset
@@ -54,10 +63,13 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
         slopes = alibi.float().reshape(-1 if alibi.ndim == 1 else alibi.shape[0], *(
             () if alibi.ndim == 1 else (hq,)))
         slopes = slopes[None, :, None, None] if alibi.ndim == 1 else slopes[:, :, None, None]
+        if bug == "alibi_first_head":
+            slopes = slopes[:, :1].expand(slopes.shape)
         s = s + sign * slopes * dist
     if bug == "tile_drops_last_key" and n > 64:
         vis = vis.clone()
         vis[64:, -1] = False
+    unmasked = s
     s = s.masked_fill(~vis, NEG)
     if softcap and bug == "softcap_after_mask":
         s = softcap * torch.tanh(s / softcap)
@@ -80,7 +92,12 @@ def _attend(q, k, v, *, scale, vis, softcap=0.0, alibi=None, bug=None, offset=0,
         out = acc.float() / den
     else:
         out = (p @ v) / den
+    if bug == "dv_unmasked_p":   # dv from P over every key, hidden ones included
+        p_all = torch.where(empty, 0.0, torch.exp(unmasked - safe) / den).detach()
+        out = (p @ v.detach()) / den + (p_all @ v - (p_all @ v).detach())
     lse = (torch.log(den) + safe)[..., 0]
+    if bug == "lse_unscaled":
+        lse = torch.logsumexp((s / scale).masked_fill(~vis, NEG), -1)
     if bug == "lse_log2":
         lse = lse / math.log(2)
     elif bug == "lse_no_max":
@@ -109,6 +126,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                            left is None or left < 0 or left >= (seqlen_k or s)))
     out = out.transpose(1, 2)
     return (out, lse, None) if return_attn_probs else out
+
+
+class _OneHead(torch.autograd.Function):
+    """Key/value heads repeated over their group; the backward keeps the first query head's
+    gradient of each group instead of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, idx, group):
+        ctx.group = group
+        return x[:, idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, ::ctx.group], None, None
 
 
 class _DvBug(torch.autograd.Function):
@@ -155,6 +186,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table
         length = int(cache_seqlens[b])
         if bug == "partial_page_ignored":
             length = length // page * page
+        elif bug == "kvcache_past_seqlens":
+            length = min(-(-length // page) * page, block_table.shape[1] * page)
         k = k_cache[block_table[b].long()].reshape(-1, *k_cache.shape[2:])[:length]
         v = v_cache[block_table[b].long()].reshape(-1, *v_cache.shape[2:])[:length]
         sl = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.ndim == 1
@@ -288,6 +321,37 @@ ZOO = [("flash_attn", flash_attn_func, b) for b in (
     ("fla_gated_delta_rule", fla_gated_delta_rule, "gate_late"),
     ("jax_dot_product_attention", jax_attention, "jax_bottom_right"),
 ]
+
+#: More bugs, judged by the explanation's tests only (tests/testing/check/test_explain.py):
+#: (convention, kernel, bug, the named deviation expected).
+MORE = [("flash_attn", flash_attn_func, "no_scale", "scale_one"),
+        ("flash_attn", flash_attn_func, "alibi_first_head", "alibi_first_head"),
+        ("flash_attn", flash_attn_func, "lse_unscaled", "lse_unscaled"),
+        ("flash_attn", flash_attn_func, "softcap_before_scale", "softcap_before_scale"),
+        ("flash_attn_kvcache", flash_attn_with_kvcache, "kvcache_past_seqlens",
+         "kvcache_past_seqlens"),
+        ("flash_attn", flash_attn_func, "dv_unmasked_p", "dv_unmasked_p")]
+
+#: Bugs the search reaches by random draws only (too slow for a test's budget), explained
+#: on a given case: (bug, the case's options, the named deviation expected).
+GIVEN = [("gqa_grad_one_head", {"backward": True}, "grouped_dkdv_one_head"),
+         ("window_ignored_causal", {"causal": True, "window_size": (2, 5)},
+          "window_ignored_when_causal")]
+
+#: The named deviation of each ZOO bug (None: none in the catalogue).
+EXPECTED = {
+    "causal_top_left": "causal_top_left", "window_off_by_one": "window_left_plus_one",
+    "gqa_mod": "gqa_tiled", "no_max_shift": None, "scale_twice": "scale_twice",
+    "sqrt_dv": "scale_sqrt_dv", "softcap_no_factor": "softcap_division",
+    "softcap_after_mask": "softcap_after_bias", "alibi_sign": "alibi_sign",
+    "lse_log2": "lse_base2", "lse_no_max": "lse_no_max", "empty_row_nan": "empty_rows_nan",
+    "empty_row_mean": "empty_rows_mean", "dk_missing_scale": "dk_missing_scale",
+    "dv_not_transposed": None, "fp16_pv": None, "tile_drops_last_key": None,
+    "varlen_off_by_one": "varlen_across_boundary",
+    "partial_page_ignored": "kvcache_partial_page_ignored",
+    "bottom_right": "causal_bottom_right", "state_missing_last_chunk": None,
+    "gate_late": "gates_one_token_late", "init_ignored": "initial_state_ignored",
+    "beta_on_v_only": "delta_beta_on_v_only", "jax_bottom_right": "causal_bottom_right"}
 
 #: The clean kernels, one per convention.
 CLEAN = {conv: fn for conv, fn, _ in ZOO}

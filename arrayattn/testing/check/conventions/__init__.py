@@ -4,6 +4,8 @@ state come back, which options it takes), mapping a case to a call and the resul
 referee's problem."""
 from __future__ import annotations
 
+import difflib
+
 from .base import Call, Convention
 from .custom import CUSTOM_OPTIONS, Custom
 from .fla import FlaDeltaRule, FlaGatedDeltaRule, FlaGla, FlaSimpleGla
@@ -33,8 +35,11 @@ def get_convention(convention, device: str = "cpu") -> Convention:
         conv = convention
     elif isinstance(convention, str):
         if convention not in CONVENTIONS:
-            raise ValueError(f"unknown convention {convention!r}; known: "
-                             f"{', '.join(sorted(CONVENTIONS))}, or a custom adapter object")
+            close = difflib.get_close_matches(convention, list(CONVENTIONS), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown convention {convention!r}{hint} (known: "
+                             f"{', '.join(sorted(CONVENTIONS))}, or a custom adapter "
+                             "object)")
         conv = CONVENTIONS[convention]()
     else:
         conv = Custom(convention)
