@@ -43,6 +43,7 @@ class KernelCheck:
     worst_ratio: float = 0.0
     worst_case: object = None
     dtypes: tuple = ()
+    replayed: object = None
 
     def summary(self) -> str:
         """What was run and covered, and the finding (its case, outputs, heads, errors)."""
@@ -74,7 +75,7 @@ class KernelCheck:
 
 def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=None,
                  grads: bool = True, skip=(), repro=None, device: str = "cpu",
-                 log=None) -> KernelCheck:
+                 log=None, examples=()) -> KernelCheck:
     """Search for a case where ``fn`` disagrees with arrayattn's float64 reference.
 
     Parameters
@@ -99,6 +100,9 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
         Options never drawn.
     repro : str, optional
         Where to write the repro ``.npz`` of a finding.
+    examples : sequence of Case, optional
+        Cases tried before the catalogue (e.g. a finding of an earlier run, which is then
+        shrunk again from there); ``.replayed`` is the one that still failed.
 
     Returns
     -------
@@ -118,7 +122,7 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
     if not callable(fn):
         raise TypeError(f"fn must be callable; got {type(fn).__name__}")
     search = Search(fn, conv, budget=float(budget), seed=int(seed), grads=bool(grads),
-                    skip=tuple(skip), log=log)
+                    skip=tuple(skip), log=log, examples=tuple(examples))
     dtypes = default_dtypes(search.evaluate, conv) if dtypes is None else tuple(dtypes)
     search.dtypes = dtypes
     t0 = time.monotonic()
@@ -127,7 +131,7 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
                       unsupported=sorted(map(str, search.unsupported)),
                       covered=search.covered, worst_ratio=search.worst[0],
                       worst_case=search.worst[1], dtypes=dtypes,
-                      time_to_finding=search.first_found)
+                      time_to_finding=search.first_found, replayed=search.replayed)
     if found is not None:
         res.failure = search.evaluate(found)
         if repro:
