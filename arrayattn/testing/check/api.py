@@ -134,7 +134,7 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
                       time_to_finding=search.first_found, replayed=search.replayed)
     if found is not None:
         res.failure = search.evaluate(found)
-        if repro:
+        if repro and res.failure.verdict.error is None:   # a kernel that raised: no file
             from .repro import write_repro
             res.repro, res.validate = repro, write_repro(repro, conv, fn, found)
     return res
