@@ -110,11 +110,16 @@ def judge_case(fn, convention, case: Case, *, device: str = "cpu") -> Verdict | 
 
 def assert_case(fn, convention, case: Case, *, device: str = "cpu") -> Verdict:
     """:func:`judge_case`, raising ``AssertionError`` with the case and the failing
-    comparisons on a discrepancy; an unsupported case (``NotImplementedError``) is rejected
-    as ``hypothesis.assume(False)`` would.  The verdict otherwise."""
+    comparisons on a discrepancy; an unsupported case (the kernel raised
+    ``NotImplementedError``) is rejected inside a ``@given`` test, as
+    ``hypothesis.assume(False)`` would, and raises ``NotImplementedError`` outside one.  The
+    verdict otherwise."""
     verdict = judge_case(fn, convention, case, device=device)
     if verdict is None:
-        _hypothesis().reject()
+        from hypothesis.control import currently_in_test_context
+        if currently_in_test_context():
+            _hypothesis().reject()
+        raise NotImplementedError(f"the kernel does not support {case.describe()}")
     if not verdict.ok:
         raise AssertionError("\n".join([f"kernel disagrees with the reference on "
                                         f"{case.describe()}"] +

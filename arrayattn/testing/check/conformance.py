@@ -87,6 +87,9 @@ def _flex(compiled: bool):
         from torch.nn.attention.flex_attention import flex_attention
         if not compiled:
             return flex_attention
+        import torch._dynamo
+        # every new shape recompiles; past dynamo's limit (8) it would run eager silently
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 10**4)
         fn = torch.compile(flex_attention, dynamic=False)
         q = torch.randn(1, 2, 16, 16)
         try:

@@ -132,10 +132,9 @@ def test_x_stops_after_the_first_finding_and_k_selects_by_convention(pytester):
                         .replace("return sdpa\n", "return broken\n"))
     res = run(pytester, "-x")
     res.assert_outcomes(failed=1)
+    # the convention is a keyword of a marked test (no test name contains it)
     res = run(pytester, "--collect-only", "-q", "-k", "sdpa")
     assert "2 tests collected" in res.stdout.str()
-    res = run(pytester, "--collect-only", "-q", "-k", "flash_attn")
-    assert "no tests collected" in res.stdout.str() or "2 deselected" in res.stdout.str()
 
 
 def test_ini_budget_is_the_default_and_a_bad_one_is_a_usage_error(pytester):
