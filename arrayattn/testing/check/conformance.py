@@ -9,9 +9,9 @@ import sys
 import time
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["Kernel", "Unavailable", "KERNELS", "run_kernel", "conformance", "table",
+__all__ = ["Kernel", "Unavailable", "KERNELS", "run_kernel", "conformance", "table", "notes",
            "add_parser", "run_conformance"]
 
 
@@ -29,11 +29,27 @@ class Kernel:
     convention: str
     make: object
     note: str = ""
+    equal_dims: bool = False      # the kernel refuses d != dv: the cases keep dv = d
+
+    def get_convention(self):
+        """The convention the kernel is checked under (``dv = d`` with ``equal_dims``)."""
+        from .conventions import get_convention
+        conv = get_convention(self.convention)
+        if self.equal_dims:
+            normalize = conv.normalize
+
+            def same_dims(case):
+                case = normalize(case)
+                return replace(case, dv=case.d)
+            conv.equal_dims, conv.normalize = True, same_dims
+        return conv
 
 
 def _first_line(exc: BaseException) -> str:
+    """``Type: the first sentence of the message`` (at most 90 characters)."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:90] if text else ''}"
+    first = text[0].split(". ")[0].rstrip(".") if text else ""
+    return f"{type(exc).__name__}: {first[:90]}"
 
 
 # -- torch SDPA, one backend at a time -------------------------------------------------
@@ -89,13 +105,16 @@ def _flex(compiled: bool):
             return flex_attention
         import torch._dynamo
         # every new shape recompiles; past dynamo's limit (8) it would run eager silently
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 10**4)
-        fn = torch.compile(flex_attention, dynamic=False)
-        q = torch.randn(1, 2, 16, 16)
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 10**4)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 10**5)
+        fn = torch.compile(flex_attention)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                fn(q, q, q)             # the first compilation, outside the budget
+                for n in (16, 17):      # compiled, then recompiled with dynamic sizes,
+                    q = torch.randn(1, 2, n, 16)      # outside the budget
+                    fn(q, q, q)
         except Exception as exc:
             raise Unavailable(_first_line(exc)) from None
         return fn
@@ -134,6 +153,8 @@ def _hf(which: str):
 
         def kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
+            if attn_mask is not None:        # the models' masks are (b, 1, n, s)
+                attn_mask = attn_mask.expand(q.shape[0], 1, *attn_mask.shape[-2:])
             module = types.SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1],
                                            is_causal=is_causal, training=False)
             scaling = q.shape[-1] ** -0.5 if scale is None else scale
@@ -162,8 +183,8 @@ KERNELS = [
     Kernel("torch SDPA, MATH backend", "sdpa", _sdpa_backend("MATH"),
            "inside sdpa_kernel([SDPBackend.MATH])"),
     Kernel("torch SDPA, FLASH_ATTENTION backend", "sdpa", _sdpa_backend("FLASH_ATTENTION"),
-           "inside sdpa_kernel([SDPBackend.FLASH_ATTENTION]); inputs it refuses: "
-           "unsupported"),
+           "inside sdpa_kernel([SDPBackend.FLASH_ATTENTION]); options it refuses: "
+           "unsupported; d = dv only (refused on the CPU)", equal_dims=True),
     Kernel("torch SDPA, EFFICIENT_ATTENTION backend", "sdpa",
            _sdpa_backend("EFFICIENT_ATTENTION"), "sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])"),
     Kernel("torch SDPA, CUDNN_ATTENTION backend", "sdpa", _sdpa_backend("CUDNN_ATTENTION"),
@@ -171,7 +192,8 @@ KERNELS = [
     Kernel("torch flex_attention (eager)", "flex_attention", _flex(False),
            "torch.nn.attention.flex_attention.flex_attention"),
     Kernel("torch flex_attention (torch.compile)", "flex_attention", _flex(True),
-           "torch.compile(flex_attention); every new shape recompiles (seconds on a CPU)"),
+           "torch.compile(flex_attention), warmed up on two sizes (dynamic sizes after that); "
+           "every new score_mod/mask_mod recompiles (seconds on a CPU)"),
     Kernel("jax.nn.dot_product_attention (implementation=None)", "jax_dot_product_attention",
            _jax(None), "JAX's default choice"),
     Kernel("jax.nn.dot_product_attention (implementation='xla')",
@@ -179,9 +201,11 @@ KERNELS = [
     Kernel("jax.nn.dot_product_attention (implementation='cudnn')",
            "jax_dot_product_attention", _jax("cudnn"), ""),
     Kernel("transformers sdpa_attention_forward", "sdpa", _hf("sdpa"),
-           "called as SDPA: a module with num_key_value_groups, out transposed back"),
+           "called as SDPA: a module with num_key_value_groups, the mask as (b, 1, n, s), "
+           "out transposed back"),
     Kernel("transformers eager_attention_forward (Llama)", "sdpa", _hf("eager"),
-           "called as SDPA: bool masks made additive with finfo.min as the models do; "
+           "called as SDPA: the mask as (b, 1, n, s), bool masks made additive with finfo.min "
+           "as the models do; "
            "is_causal unsupported (the models pass it in the mask)"),
 ]
 
@@ -212,10 +236,13 @@ def run_kernel(kernel: Kernel, *, budget: float, seed: int = 0, repro_dir: str |
     except ImportError as exc:
         return Row(kernel, reason=_first_line(exc))
     repro = os.path.join(repro_dir, _slug(kernel.name) + ".npz") if repro_dir else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = check_kernel(fn, kernel.convention, budget=budget, seed=seed, repro=repro,
-                           log=log)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = check_kernel(fn, kernel.get_convention(), budget=budget, seed=seed,
+                               repro=repro, log=log)
+    except Exception as exc:     # e.g. a kernel refusing even the plainest case's shape
+        return Row(kernel, reason="the checker stopped: " + _first_line(exc))
     return Row(kernel, res, repro=res.repro)
 
 
@@ -283,6 +310,12 @@ def table(rows, *, relative_to: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def notes(rows) -> str:
+    """How each kernel of ``rows`` is called (a Markdown list)."""
+    lines = [f"- {row.kernel.name}: {row.kernel.note}" for row in rows if row.kernel.note]
+    return "\nHow each kernel is called:\n\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def _header(budget: float, seed: int) -> str:
     import platform
     versions = []
@@ -344,7 +377,7 @@ def run_conformance(args) -> int:
     rows = conformance(kernels, budget=args.budget, seed=args.seed, repro_dir=repro_dir,
                        log=lambda text: print(text, file=sys.stderr))
     text = _header(args.budget, args.seed) + table(
-        rows, relative_to=os.path.dirname(os.path.abspath(args.report)))
+        rows, relative_to=os.path.dirname(os.path.abspath(args.report))) + notes(rows)
     with open(args.report, "w") as fh:
         fh.write(text)
     if not os.listdir(repro_dir) and not args.repro_dir:

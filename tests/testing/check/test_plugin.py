@@ -238,3 +238,24 @@ def test_entry_point_is_declared_in_pyproject():
     import importlib
     module = importlib.import_module(PLUGIN)
     assert callable(module.pytest_pyfunc_call) and callable(module.check_attention)
+
+
+def test_stored_cases_round_trip_and_stale_entries_are_dropped():
+    """The database's JSON: cases come back equal (tuples of options included); an entry
+    that is no case any more is deleted; a case with an option the convention no longer
+    has is not replayed."""
+    from hypothesis.database import InMemoryExampleDatabase
+    from arrayattn.testing.check import database as store, get_convention
+    from arrayattn.testing.check.cases import Case
+
+    db, conv = InMemoryExampleDatabase(), get_convention("jax_dot_product_attention")
+    key = store.database_key("test_k.py::test_x", conv.name)
+    case = Case(n=3, s=9, options=(("local_window_size", (2, 0)),), magnitude=30.0)
+    store.store_case(db, key, case)
+    assert store.stored_cases(db, key, conv) == [case]
+    db.save(key, b"not json")
+    db.save(key, store.case_to_json(Case(options=(("no_such_option", True),))).encode())
+    assert store.stored_cases(db, key, conv) == [case]
+    assert b"not json" not in set(db.fetch(key))
+    store.forget_cases(db, key)
+    assert not list(db.fetch(key))
