@@ -172,7 +172,9 @@ def run_check(node, fn, convention, *, budget=None, seed=None, dtypes=None, grad
     label = conv.name or "custom"
     db = _database()
     key = store.database_key(node.nodeid, label)
-    examples = store.stored_cases(db, key, conv) if db is not None else []
+    examples = [c for c in (store.stored_cases(db, key, conv) if db is not None else [])
+                if (dtypes is None or c.dtype in dtypes) and not set(c.active()) & set(skip)
+                and (grads or not c.opts.get("backward"))]      # what this run may draw
     log: list = []
     repro = _repro_path(config, node.nodeid, label)
     res = check_kernel(fn, conv, budget=_budget(config, budget), seed=_seed(config, seed),
