@@ -1,5 +1,5 @@
 """The pytest plugin of arrayattn's kernel checker (the ``pytest11`` entry point
-``arrayattn``): a kernel repository's test suite runs :func:`~arrayattn.testing.check_kernel`
+``arrayattn.testing.pytest_plugin``): a kernel repository's test suite runs :func:`~arrayattn.testing.check_kernel`
 with a marker or a fixture.
 
 A test marked ``attention_kernel`` returns the kernel; the plugin runs the search on it::

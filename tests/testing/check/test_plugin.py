@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-from importlib import metadata
 
 import pytest
 
@@ -50,10 +49,6 @@ settings.load_profile("kernels")
 '''
 
 
-def _entry_point_installed() -> bool:
-    return any(ep.value == PLUGIN for ep in metadata.entry_points(group="pytest11"))
-
-
 @pytest.fixture(autouse=True)
 def _this_worktree(monkeypatch):
     """The child pytest imports this worktree's arrayattn."""
@@ -62,9 +57,9 @@ def _this_worktree(monkeypatch):
 
 def run(pytester, *args):
     """A child pytest in pytester's directory, the plugin loaded by its entry point when
-    installed, else by ``-p``."""
-    plugin = () if _entry_point_installed() else ("-p", PLUGIN)
-    return pytester.runpytest_subprocess(*plugin, *args, timeout=240)
+    installed, else by ``-p`` (with the entry point installed, ``-p`` finds it by its name,
+    the module's: no second registration)."""
+    return pytester.runpytest_subprocess("-p", PLUGIN, *args, timeout=240)
 
 
 def _cases(output: str, test: str) -> int:
@@ -234,7 +229,7 @@ def test_entry_point_is_declared_in_pyproject():
         tomllib = tomli
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
         project = tomllib.load(fh)["project"]
-    assert project["entry-points"]["pytest11"] == {"arrayattn": PLUGIN}
+    assert project["entry-points"]["pytest11"] == {PLUGIN: PLUGIN}
     import importlib
     module = importlib.import_module(PLUGIN)
     assert callable(module.pytest_pyfunc_call) and callable(module.check_attention)
@@ -259,3 +254,28 @@ def test_stored_cases_round_trip_and_stale_entries_are_dropped():
     assert b"not json" not in set(db.fetch(key))
     store.forget_cases(db, key)
     assert not list(db.fetch(key))
+
+
+def test_installed_entry_point_loads_the_plugin_and_p_does_not_register_it_twice(
+        pytester, tmp_path, monkeypatch):
+    """A distribution declaring pyproject's entry point (a dist-info on the path, as pip
+    installs it): the marker works without ``-p``, and with ``-p`` (or pytest_plugins)
+    too, the entry point being named by its module."""
+    site = tmp_path / "site"
+    info = site / "arrayattn_entry-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: arrayattn-entry\n"
+                                   "Version: 0\n")
+    (info / "entry_points.txt").write_text(f"[pytest11]\n{PLUGIN} = {PLUGIN}\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, str(site)]))
+    pytester.makepyfile(test_kernels='''\
+import pytest, torch
+@pytest.mark.attention_kernel("sdpa", budget=0.5, dtypes=["float32"], grads=False)
+def test_clean():
+    return torch.nn.functional.scaled_dot_product_attention
+''')
+    for plugin in ((), ("-p", PLUGIN)):
+        res = pytester.runpytest_subprocess(*plugin, "-W", "error::pytest.PytestUnknownMarkWarning",
+                                            timeout=240)
+        res.assert_outcomes(passed=1)
+        assert "arrayattn check: 1 kernel check(s), 0 finding(s)" in res.stdout.str()
