@@ -279,3 +279,28 @@ def test_clean():
                                             timeout=240)
         res.assert_outcomes(passed=1)
         assert "arrayattn check: 1 kernel check(s), 0 finding(s)" in res.stdout.str()
+
+
+def test_check_kernel_tries_examples_first():
+    """check_kernel(examples=...): a stored case that still fails is where the search
+    starts and shrinks from (``replayed``); one that passes is passed over."""
+    import torch
+    from arrayattn.testing import check_kernel
+    from arrayattn.testing.check.cases import Case
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def causal_ignored(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+        return sdpa(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa)
+
+    stored = Case(n=9, s=9, options=(("is_causal", True),))
+    log = []
+    res = check_kernel(causal_ignored, "sdpa", budget=2, dtypes=["float32"], grads=False,
+                       examples=[Case(n=3, s=4), stored], log=log.append)
+    assert res.replayed == stored and not res.ok
+    assert log[0].startswith("replayed stored case passes now: b=1 h=2 n=3 s=4")
+    assert log[1].startswith("replayed stored case fails: b=1 h=2 n=9 s=9")
+    assert res.failure.case.opts["is_causal"] and res.failure.case.n <= 2
+    assert check_kernel(sdpa, "sdpa", budget=0.5, dtypes=["float32"], grads=False,
+                        examples=[stored]).replayed is None
