@@ -5,6 +5,7 @@
                        the float64 reference, per head.
 ``arrayattn check``    search for a case where a kernel disagrees with the reference
                        (a catalogue of edge cases, random cases, shrinking).
+``arrayattn conformance`` the checker on every attention kernel here: a Markdown table.
 
 Exit codes of ``validate``: 0 match, 1 mismatch, 2 usage error or malformed file.
 """
@@ -543,8 +544,9 @@ def main(argv=None) -> int:
         description=__doc__.replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     from .testing.check.command import add_parser
+    from .testing.check.conformance import add_parser as add_conformance
     subs = {"report": _report_parser(sub), "validate": _validate_parser(sub),
-            "check": add_parser(sub)}
+            "check": add_parser(sub), "conformance": add_conformance(sub)}
     args = _parse(parser, subs, argv)
     return args.func(args)
 

@@ -59,6 +59,7 @@ class KernelCheck:
     rerun: Outcome | None = None
     notes: list = field(default_factory=list)
     explanation: object = None
+    replayed: object = None
 
     def summary(self) -> str:
         """What was run and covered, and the finding (its case, outputs, heads, errors)."""
@@ -109,7 +110,7 @@ def rerun_line(rerun: Outcome | None) -> str:
 
 def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=None,
                  grads: bool = True, skip=(), repro=None, device: str = "cpu",
-                 log=None, explain: bool = True) -> KernelCheck:
+                 log=None, explain: bool = True, examples=()) -> KernelCheck:
     """Search for a case where ``fn`` disagrees with arrayattn's float64 reference.
 
     Parameters
@@ -145,6 +146,9 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
     explain : bool
         After shrinking, name the likely mistake and the dimensions the failure needs
         (:func:`arrayattn.testing.check.explain.explain`: a few more evaluations).
+    examples : sequence of Case, optional
+        Cases tried before the catalogue (e.g. a finding of an earlier run, which is then
+        shrunk again from there); ``.replayed`` is the one that still failed.
 
     Returns
     -------
@@ -164,7 +168,7 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
     if not callable(fn):
         raise TypeError(f"fn must be callable; got {type(fn).__name__}")
     search = Search(fn, conv, budget=float(budget), seed=int(seed), grads=bool(grads),
-                    skip=tuple(skip), log=log)
+                    skip=tuple(skip), log=log, examples=tuple(examples))
     dtypes = default_dtypes(search.evaluate, conv) if dtypes is None else tuple(dtypes)
     search.dtypes = dtypes
     t0 = time.monotonic()
@@ -173,7 +177,7 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
                       unsupported=sorted(map(str, search.unsupported)),
                       covered=search.covered, worst_ratio=search.worst[0],
                       worst_case=search.worst[1], dtypes=dtypes,
-                      time_to_finding=search.first_found)
+                      time_to_finding=search.first_found, replayed=search.replayed)
     if found is not None:
         _classify(res, search, found)
         if explain and not res.flaky and res.failure.verdict is not None \

@@ -60,6 +60,8 @@ class Search:
     grads: bool = True
     skip: tuple = ()
     log: object = None
+    examples: tuple = ()
+    replayed: Case | None = None
     unsupported: set = field(default_factory=set)
     cases_run: int = 0
     covered: dict = field(default_factory=dict)
@@ -174,6 +176,12 @@ class Search:
         self.started = time.monotonic()
         deadline = self.started + self.budget
         try:
+            for case in self.examples:      # stored findings of earlier runs, first
+                if self.fails(case):
+                    self.replayed = case
+                    self._say(f"replayed stored case fails: {case.describe()}; shrinking")
+                    return self.polish(case, self._shrink_deadline())
+                self._say(f"replayed stored case passes now: {case.describe()}")
             for case in catalogue(self.conv, self.dtypes, self.grads, self.skip):
                 if time.monotonic() > deadline:
                     raise OutOfTime
