@@ -337,4 +337,52 @@ def test_asv_conf_names_the_suite():
     assert conf["repo"] == ".." and conf["environment_type"] == "virtualenv"
     assert os.path.isdir(os.path.join(ROOT, "benchmarks", conf["benchmark_dir"]))
     assert set(conf["matrix"]["req"]) >= {"numpy", "scipy", "array-api-compat",
-                                          "array-api-extra", "jax"}
+                                          "array-api-extra", "jax", "torch", "hypothesis"}
+
+
+def test_asv_check_suite_runs_one_cheap_case_of_each(monkeypatch):
+    """benchmarks/asv_bench/bench_check.py (the checker's price): every benchmark class
+    runs one cheap case through setup and its measured call; the clean kernels pass the
+    search, each broken kernel is found (its time to a finding > 0), and the judge of a
+    prepared call returns.  Fails on a suite that asv could not run (a clean kernel
+    flagged raises, a broken kernel not found raises)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("hypothesis")
+    mod = load_benchmark("asv_bench/bench_check", "bench_asv_check")
+    suites = {name: getattr(mod, name) for name in ("Catalogue", "CheckSearch",
+                                                    "TimeToFinding", "Judge")}
+    for cls in suites.values():
+        assert any(a.startswith(("time_", "track_")) for a in dir(cls))
+        assert len(cls.params) == len(cls.param_names)
+    cat = mod.Catalogue()
+    cat.setup("sdpa", "backward", "float32")
+    assert cat.cases and all(c.opts.get("backward") for c in cat.cases)
+    cat.time_catalogue("sdpa", "backward", "float32")
+    monkeypatch.setattr(mod, "SEARCH_BUDGET", 0.5)
+    search = mod.CheckSearch()
+    search.setup("flash_attn", "forward", "float32")
+    assert 0 < search.track_seconds_per_case("flash_attn", "forward", "float32") < 0.5
+    monkeypatch.setattr(mod, "FINDING_BUDGET", 5.0)
+    for label, dtype in (("sdpa bottom_right", "float32"), ("flash_attn fp16_pv", "float16")):
+        ttf = mod.TimeToFinding()
+        ttf.setup(label, dtype)
+        assert 0 <= ttf.track_time_to_finding(label, dtype) < 5.0
+    with pytest.raises(NotImplementedError):
+        mod.TimeToFinding().setup("flash_attn fp16_pv", "float32")
+    judge = mod.Judge()
+    judge.setup("1x2x16x16", "backward", "float16")
+    judge.time_judge("1x2x16x16", "backward", "float16")
+
+
+def test_asv_check_suite_skips_without_the_checker(monkeypatch):
+    """Without Hypothesis (or torch, or a revision without the checker) every benchmark of
+    bench_check.py is skipped (NotImplementedError: asv's n/a), not failed."""
+    import sys
+    mod = load_benchmark("asv_bench/bench_check", "bench_asv_check")
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # import hypothesis -> ImportError
+    for cls, args in ((mod.Catalogue, ("sdpa", "forward", "float32")),
+                      (mod.CheckSearch, ("sdpa", "forward", "float32")),
+                      (mod.TimeToFinding, ("sdpa bottom_right", "float32")),
+                      (mod.Judge, ("1x2x16x16", "forward", "float32"))):
+        with pytest.raises(NotImplementedError, match="checker cannot run"):
+            cls().setup(*args)

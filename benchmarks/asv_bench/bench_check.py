@@ -32,8 +32,10 @@ the finding benchmarks switch on.  Torch runs with its default threads, as a use
 
 A revision without :mod:`arrayattn.testing.check`, or an environment without torch or
 Hypothesis (the ``check`` extra), skips these benchmarks (``NotImplementedError`` in
-``setup``: asv's ``n/a``).  Cost on the 2-core machine: about 3 min per revision, most of it
-the search tracks (8 x ``SEARCH_BUDGET`` s) and the kernel-sized judge.
+``setup``: asv's ``n/a``).  Cost: ``asv run --python=same --quick --bench bench_check`` (one
+sample each) took 4 min 17 s on the 2-core machine shared with six other jobs (2026-11-29);
+the kernel-sized backward judge is most of it (0.6 s a call on a quiet machine, 14-19 s
+then), with the search tracks (8 x ``SEARCH_BUDGET`` s) and the finding tracks (~25 s).
 """
 from __future__ import annotations
 
