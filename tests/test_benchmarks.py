@@ -308,3 +308,19 @@ def test_references_to_benchmark_files_exist():
             if not os.path.exists(os.path.join(ROOT, "benchmarks", ref)):
                 missing.add((os.path.relpath(path, ROOT), ref))
     assert not missing, sorted(missing)
+
+
+def test_check_speed_smoke(tmp_path):
+    """benchmarks/check_speed.py on one convention at small budgets: the zoo's broken
+    ``sdpa`` kernel found, the clean kernels (the zoo's and torch's own SDPA) not flagged,
+    the page written to ``--out`` (before ``--out`` and ``--conventions`` it ran the whole
+    zoo and wrote into benchmarks/results/)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("hypothesis")
+    mod = load_benchmark("check_speed", "bench_check_speed")
+    assert mod.main(["--budget", "5", "--clean-budget", "0.5", "--seeds", "1",
+                     "--conventions", "sdpa", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "check_speed.md").read_text()
+    assert "| sdpa | bottom_right | " in md and "missed" not in md
+    assert "| sdpa | 0 | " in md and "FLAGGED" not in md
+    assert "flash_attn" not in md
