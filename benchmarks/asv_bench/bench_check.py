@@ -40,7 +40,6 @@ then), with the search tracks (8 x ``SEARCH_BUDGET`` s) and the finding tracks (
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 #: Seconds of search per ``Search.track_seconds_per_case`` (small: the rate, not a verdict)
