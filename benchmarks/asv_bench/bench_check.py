@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-#: Seconds of search per ``Search.track_seconds_per_case`` (small: the rate, not a verdict)
+#: Seconds of search per ``CheckSearch.track_seconds_per_case`` (small: the rate, not a verdict)
 SEARCH_BUDGET = 3.0
 #: Budget of a finding benchmark; a bug not found within it fails the benchmark
 FINDING_BUDGET = 30.0
