@@ -1,5 +1,7 @@
-"""benchmarks/run.py on a tiny sweep: its outputs, the skip rule and the README update
-(not timing assertions: the numbers depend on the machine)."""
+"""The runners of benchmarks/ on tiny problems (not timing assertions: the numbers depend
+on the machine): run.py's sweep, skip rule and README update; compare.py, bench_gpu.py and
+regress.py; the asv suite (bench_attention.py, bench_check.py) and its configuration; and
+benchmarks/ as one suite of runners whose files every reference names correctly."""
 from __future__ import annotations
 
 import importlib.util
@@ -86,9 +88,10 @@ def test_compare_before_after(tmp_path):
     if shutil.which("git") is None or subprocess.run(
             ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("needs a git checkout")
-    def worktrees():
-        return subprocess.run(["git", "-C", ROOT, "worktree", "list"], capture_output=True,
-                              text=True).stdout
+    def worktrees():  # their paths: other checkouts of the repository commit meanwhile
+        out = subprocess.run(["git", "-C", ROOT, "worktree", "list", "--porcelain"],
+                             capture_output=True, text=True).stdout
+        return {line for line in out.splitlines() if line.startswith("worktree ")}
     before = worktrees()
     mod = load_benchmark("compare", "bench_compare")
     assert mod.main(["HEAD", "--rounds", "1", "--n", "256", "--heads", "1",
@@ -102,37 +105,6 @@ def test_compare_before_after(tmp_path):
     data = json.loads((tmp_path / "compare.json").read_text())
     assert all(t > 0 for side in data["seconds"].values() for ts in side.values() for t in ts)
     assert worktrees() == before  # the temporary worktree of the old revision is gone
-
-
-def test_nystrom_peer_is_the_same_algorithm():
-    """The torch reference that bench_nystrom times is the Nyström of arrayattn with the
-    global pinv initialisation (float64: to rounding), so its time compares like with like."""
-    torch = pytest.importorskip("torch")
-    import numpy as np
-    mod = load_benchmark("bench_nystrom")
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((2, 48, 8)) for _ in range(3))
-    with torch.no_grad():
-        port = mod.torch_port(*(torch.from_numpy(x) for x in (q, k, v)), 6).numpy()
-    ours = arrayattn.nystrom_attention(q, k, v, num_landmarks=6, pinv_init="global")
-    np.testing.assert_allclose(port, ours, rtol=0, atol=1e-10 * np.abs(v).max())
-    assert not np.allclose(port, arrayattn.nystrom_attention(q, k, v, num_landmarks=6,
-                                                              pinv_iters=2), atol=1e-6)
-
-
-def test_bench_gated_smoke(tmp_path):
-    """benchmarks/bench_gated.py on a tiny problem: every gated variant and the baseline
-    on NumPy (and jitted JAX when installed), ratios to the baseline."""
-    mod = load_benchmark("bench_gated")
-    backends = "numpy,jax" if importlib.util.find_spec("jax") else "numpy"
-    mod.main(["--n", "40", "--heads", "2", "--d", "8", "--repeats", "1",
-              "--backends", backends, "--out", str(tmp_path)])
-    data = json.loads((tmp_path / "gated.json").read_text())
-    names = {r["variant"] for r in data["rows"]}
-    gated = {r.name for r in arrayattn.variants() if r.family == "gated"}
-    assert gated <= names and len(names) == len(gated) + 1
-    assert all(r["time_ms"] > 0 for r in data["rows"])
-    assert (tmp_path / "gated.md").read_text().count("|") > 10
 
 
 def test_bench_gpu_runs_on_the_cpu(tmp_path):
@@ -154,97 +126,6 @@ def test_bench_gpu_runs_on_the_cpu(tmp_path):
     assert any("skipped" in r.get("note", "") for r in rows if r["backend"] == "cupy")
 
 
-def test_sparse_chunks_smoke(tmp_path):
-    """benchmarks/sparse_chunks.py on a tiny problem: one row per budget, the budget put
-    back afterwards, and the budgets really differ (the smaller one cuts more chunks)."""
-    import arrayattn.core.devices as devices
-
-    mod = load_benchmark("sparse_chunks")
-    chosen = devices.CPU_CHUNK
-    mod.main(["--variants", "local", "--sizes", "256", "--budgets", "10,20", "--heads", "2",
-              "--repeats", "1", "--out", str(tmp_path / "sc")])
-    assert devices.CPU_CHUNK == chosen
-    rows = json.loads((tmp_path / "sc.json").read_text())["rows"]
-    assert [r["budget"] for r in rows] == [10, 20]
-    assert all(r["numpy_ms"] > 0 and r["numpy_peak_mb"] > 0 for r in rows)
-    if "loops" in rows[0]:
-        assert rows[0]["loops"] >= rows[1]["loops"]
-    assert (tmp_path / "sc.md").read_text().count("| local |") == 2
-
-
-def test_xla_inner_dim_smoke(tmp_path):
-    """benchmarks/xla_inner_dim.py on two small shapes: a row per kernel and size."""
-    pytest.importorskip("jax")
-    mod = load_benchmark("xla_inner_dim")
-    mod.main(["--dims", "8,64", "--rows", "4,8", "--out", str(tmp_path / "x")])
-    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
-    assert len(rows) == 6 and all(r["compile_s"] > 0 and r["flat_compile_s"] > 0 for r in rows)
-    assert (tmp_path / "x.md").read_text().count("| exp |") == 2
-
-
-def test_chunk_states_smoke(tmp_path):
-    """benchmarks/chunk_states.py on a tiny problem: both forms per size, the threshold
-    put back, the cumulative sum's program with reduce-windows and no loop, the loop's
-    the reverse."""
-    pytest.importorskip("jax")
-    from arrayattn.reference import scan as scan_module
-
-    mod = load_benchmark("chunk_states")
-    chosen = scan_module.XLA_CPU_CUMSUM_STEPS
-    mod.main(["--variants", "linear_relu", "--sizes", "256", "--heads", "2",
-              "--repeats", "1", "--out", str(tmp_path / "cs")])
-    assert scan_module.XLA_CPU_CUMSUM_STEPS == chosen
-    rows = json.loads((tmp_path / "cs.json").read_text())["rows"]
-    assert [r["form"] for r in rows] == ["cumulative_sum", "loop"]
-    assert rows[0]["loops"] == 0 and rows[1]["loops"] == 1
-    assert rows[1]["reduce_windows"] < rows[0]["reduce_windows"]
-    assert [r["in_code"] for r in rows] == ["yes", ""]
-
-
-
-def test_report_xla_level_smoke(tmp_path):
-    """benchmarks/report_xla_level.py on one variant: a row per report input shape and a
-    total, both programs compiled and timed, their outputs compared."""
-    pytest.importorskip("jax")
-    mod = load_benchmark("report_xla_level")
-    mod.main(["--variants", "softmax", "--repeats", "1", "--out", str(tmp_path / "r")])
-    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["softmax", "softmax", "**all**"]
-    assert all(r["compile_default_s"] > 0 and r["run_level_ms"] > 0 for r in rows)
-    assert all(r["max_rel_diff"] < 1e-5 for r in rows)
-    assert (tmp_path / "r.md").read_text().count("| softmax |") == 2
-
-
-def test_jit_compile_tables_take_a_bare_name(tmp_path):
-    """benchmarks/jit_compile.py's ``--out``: a path stem, or a bare name that goes to
-    ``benchmarks/results/`` (a bare name once crashed at the end of a 17-minute run)."""
-    mod = load_benchmark("jit_compile")
-    mod.HERE = str(tmp_path)
-    row = {"variant": "gla", "n": 32, "compile_s": 0.5, "compile_cpu_s": 0.9,
-           "run_ms": 1.0, "ops": 10, "loops": 1, "alarms": 0}
-    meta = {"machine": {"cpu": "test", "cpus": 2, "load_average": (0.0, 0.0, 0.0)},
-            "workload": "test", "sizes": [32], "reference_compile_s": 0.25,
-            "compile_repeats": 2}
-    table = mod.write_tables("jc", meta, {"compile_s": 0.25}, [row], ["gla"])
-    assert "| gla | 10 | 1 | 0.50 s (0.90 cpu), 1 ms (2.0x) | 1.00 |" in table
-    assert (tmp_path / "results" / "jc.md").read_text().strip().endswith(table.splitlines()[-1])
-    mod.write_tables(str(tmp_path / "elsewhere" / "jc2"), meta, {}, [row], ["gla"])
-    assert json.loads((tmp_path / "elsewhere" / "jc2.json").read_text())["rows"] == [row]
-
-
-def test_report_jax_cache_smoke(tmp_path):
-    """benchmarks/report_jax_cache.py on one variant: a cold run, one that fills JAX's
-    persistent cache and one that reads every program back from it, with the same errors."""
-    pytest.importorskip("jax")
-    mod = load_benchmark("report_jax_cache")
-    mod.main(["--variants", "linear_elu", "--rounds", "1", "--out", str(tmp_path / "c")])
-    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
-    assert [r["run"] for r in rows] == ["cold", "fills the cache", "from the cache"]
-    assert all(r["wall_s"] > 0 and r["cpu_s"] > 0 and r["peak_gb"] > 0 for r in rows)
-    assert rows[0]["cache_entries"] == "" and rows[2]["cache_entries"] >= 2  # two shapes
-    assert all(r["errors_identical"] for r in rows)
-
-
 def test_regress_ab_smoke(tmp_path):
     """benchmarks/regress.py on one cheap variant and one tiny size, HEAD against the work
     tree: both sides measured, the table and JSON written, the temporary checkout gone."""
@@ -253,9 +134,10 @@ def test_regress_ab_smoke(tmp_path):
     if shutil.which("git") is None or subprocess.run(
             ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("needs a git checkout")
-    def worktrees():
-        return subprocess.run(["git", "-C", ROOT, "worktree", "list"], capture_output=True,
-                              text=True).stdout
+    def worktrees():  # their paths: other checkouts of the repository commit meanwhile
+        out = subprocess.run(["git", "-C", ROOT, "worktree", "list", "--porcelain"],
+                             capture_output=True, text=True).stdout
+        return {line for line in out.splitlines() if line.startswith("worktree ")}
     before = worktrees()
     mod = load_benchmark("regress", "bench_regress")
     common = ["--base", "HEAD", "--names", "^linear_relu$", "--sizes", "64", "--heads", "1",
@@ -337,4 +219,121 @@ def test_asv_conf_names_the_suite():
     assert conf["repo"] == ".." and conf["environment_type"] == "virtualenv"
     assert os.path.isdir(os.path.join(ROOT, "benchmarks", conf["benchmark_dir"]))
     assert set(conf["matrix"]["req"]) >= {"numpy", "scipy", "array-api-compat",
-                                          "array-api-extra", "jax"}
+                                          "array-api-extra", "jax", "torch", "hypothesis"}
+
+
+def test_asv_check_suite_runs_one_cheap_case_of_each(monkeypatch):
+    """benchmarks/asv_bench/bench_check.py (the checker's price): every benchmark class
+    runs one cheap case through setup and its measured call; the clean kernels pass the
+    search, each broken kernel is found (its time to a finding > 0), and the judge of a
+    prepared call returns.  Fails on a suite that asv could not run (a clean kernel
+    flagged raises, a broken kernel not found raises)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("hypothesis")
+    mod = load_benchmark("asv_bench/bench_check", "bench_asv_check")
+    suites = {name: getattr(mod, name) for name in ("Catalogue", "CheckSearch",
+                                                    "TimeToFinding", "Judge")}
+    for cls in suites.values():
+        assert any(a.startswith(("time_", "track_")) for a in dir(cls))
+        assert len(cls.params) == len(cls.param_names)
+    cat = mod.Catalogue()
+    cat.setup("sdpa", "backward", "float32")
+    assert cat.cases and all(c.opts.get("backward") for c in cat.cases)
+    cat.time_catalogue("sdpa", "backward", "float32")
+    monkeypatch.setattr(mod, "SEARCH_BUDGET", 0.5)
+    search = mod.CheckSearch()
+    search.setup("flash_attn", "forward", "float32")
+    assert 0 < search.track_seconds_per_case("flash_attn", "forward", "float32") < 0.5
+    monkeypatch.setattr(mod, "FINDING_BUDGET", 5.0)
+    for label, dtype in (("sdpa bottom_right", "float32"), ("flash_attn fp16_pv", "float16")):
+        ttf = mod.TimeToFinding()
+        ttf.setup(label, dtype)
+        assert 0 <= ttf.track_time_to_finding(label, dtype) < 5.0
+    with pytest.raises(NotImplementedError):
+        mod.TimeToFinding().setup("flash_attn fp16_pv", "float32")
+    judge = mod.Judge()
+    judge.setup("1x2x16x16", "backward", "float16")
+    judge.time_judge("1x2x16x16", "backward", "float16")
+
+
+def test_asv_check_suite_skips_without_the_checker(monkeypatch):
+    """Without Hypothesis (or torch, or a revision without the checker) every benchmark of
+    bench_check.py is skipped (NotImplementedError: asv's n/a), not failed."""
+    import sys
+    mod = load_benchmark("asv_bench/bench_check", "bench_asv_check")
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # import hypothesis -> ImportError
+    for cls, args in ((mod.Catalogue, ("sdpa", "forward", "float32")),
+                      (mod.CheckSearch, ("sdpa", "forward", "float32")),
+                      (mod.TimeToFinding, ("sdpa bottom_right", "float32")),
+                      (mod.Judge, ("1x2x16x16", "forward", "float32"))):
+        with pytest.raises(NotImplementedError, match="checker cannot run"):
+            cls().setup(*args)
+
+
+def test_benchmarks_holds_only_the_runners():
+    """benchmarks/ is one suite (issue #52): every script in it is a runner that the
+    README's table of runners names (``_measure.py``: their shared helpers), and every
+    module of the asv suite is described there too.  Fails when a one-off script is added
+    beside the runners without becoming one (its numbers go to a results page)."""
+    import re
+    bench = os.path.join(ROOT, "benchmarks")
+    readme = open(os.path.join(bench, "README.md"), encoding="utf-8").read()
+    table = readme[readme.index("## The runners"):readme.index("## Results pages")]
+    named = set(re.findall(r"^\| `(\w+\.py)`", table, re.M))
+    scripts = {f for f in os.listdir(bench) if f.endswith(".py")} - {"_measure.py"}
+    assert scripts == named, (scripts ^ named)
+    suite = {f for f in os.listdir(os.path.join(bench, "asv_bench"))
+             if f.endswith(".py") and f != "__init__.py"}
+    assert suite and all(f"asv_bench/{f}" in readme for f in suite)
+
+
+def test_references_to_benchmark_files_exist():
+    """Every ``benchmarks/<script>.py`` and ``benchmarks/results/<page>`` named in the
+    docs, the README, the package, the tests and the runners exists: a removed script or a
+    merged results page leaves no dangling reference (the results pages themselves quote
+    the commands of their time and are not scanned)."""
+    import re
+    roots = ["docs", "arrayattn", "tests", "benchmarks"]
+    files = [os.path.join(ROOT, "README.md")]
+    for top in roots:
+        for folder, dirs, names in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if d not in ("results", ".asv", "_build", "__pycache__")]
+            files += [os.path.join(folder, n) for n in names
+                      if n.endswith((".py", ".rst", ".md", ".json"))]
+    pattern = re.compile(r"benchmarks/((?:asv_bench/)?\w+\.py|results/[\w.-]+\.(?:md|json|txt))")
+    missing = set()
+    for path in files:
+        text = open(path, encoding="utf-8").read()
+        for ref in pattern.findall(text):
+            if not os.path.exists(os.path.join(ROOT, "benchmarks", ref)):
+                missing.add((os.path.relpath(path, ROOT), ref))
+    assert not missing, sorted(missing)
+
+
+def test_check_speed_smoke(tmp_path):
+    """benchmarks/check_speed.py on one convention at small budgets: the zoo's broken
+    ``sdpa`` kernel found, the clean kernels (the zoo's and torch's own SDPA) not flagged,
+    the page written to ``--out`` (before ``--out`` and ``--conventions`` it ran the whole
+    zoo and wrote into benchmarks/results/)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("hypothesis")
+    mod = load_benchmark("check_speed", "bench_check_speed")
+    assert mod.main(["--budget", "5", "--clean-budget", "0.5", "--seeds", "1",
+                     "--conventions", "sdpa", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "check_speed.md").read_text()
+    assert "| sdpa | bottom_right | " in md and "missed" not in md
+    assert "| sdpa | 0 | " in md and "FLAGGED" not in md
+    assert "flash_attn" not in md
+
+
+def test_asv_check_suite_skips_an_older_checker(monkeypatch):
+    """Catalogue and Judge use the checker's internal modules: where a revision's differ
+    (here: ``judge`` taking other arguments), their setup skips (NotImplementedError)
+    instead of failing the asv run."""
+    pytest.importorskip("torch")
+    pytest.importorskip("hypothesis")
+    import arrayattn.testing.check.judge as judge_module
+    mod = load_benchmark("asv_bench/bench_check", "bench_asv_check")
+    monkeypatch.setattr(judge_module, "judge", lambda call: None)
+    with pytest.raises(NotImplementedError, match="checker differs"):
+        mod.Judge().setup("1x2x16x16", "forward", "float32")

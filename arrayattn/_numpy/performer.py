@@ -13,7 +13,8 @@ causal, first); a user's function of ``ω·x`` gets the whole features with one 
 whatever other threads do).
 
 Measured (2 cores, 8 heads, n = 16384, d = 64, m = 256, float32): 0.21x the time of
-performer-pytorch's FastAttention on the same machine (benchmarks/bench_performer.py).
+performer-pytorch's FastAttention on the same machine (2026-11-22,
+bench_performer.py, removed since, in git at b047db6; tables: benchmarks/results/performer.md).
 """
 from __future__ import annotations
 

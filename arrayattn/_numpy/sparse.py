@@ -14,7 +14,7 @@ A NaN or infinite key reaches exactly the rows that see it through their scores,
 the reference.
 
 Measured (2-core machine, ``(1, 8, n, 64)`` float32, registry defaults, best of 3; the
-A/B table is benchmarks/results/ab_sparse.md): see that file.
+A/B table is benchmarks/results/sparse.md): see that file.
 """
 from __future__ import annotations
 

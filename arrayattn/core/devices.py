@@ -8,7 +8,7 @@ d = 64: block 4096 was 6x faster than block 512).
 The block-sparse executor works in chunks of the same kind: on a CPU a chunk's score
 tiles and gathered rows (``CPU_CHUNK`` elements, 4 MiB in float32) stay near the cache,
 and the chunks run 1.3-2x faster than chunks eight times larger (NumPy and ``jax.jit``,
-``n`` = 1024 to 16384, ``benchmarks/results/sparse_chunks.md``); on a GPU larger chunks
+``n`` = 1024 to 16384, ``benchmarks/results/sparse.md``); on a GPU larger chunks
 mean fewer launches.
 """
 from __future__ import annotations

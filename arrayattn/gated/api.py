@@ -66,7 +66,7 @@ def retention(q, k, v, /, *, gamma=None, causal=True, key_mask=None, method="chu
         Tokens per chunk; ``n`` need not be a multiple of it (GLA rounds it up to a
         power of 2).  The defaults (32 for retention and SSD, 16 for the delta rule and
         GLA) are the fastest measured on a CPU at ``d = 64``
-        (``benchmarks/bench_gated.py``).
+        (``benchmarks/results/gated.md``).
     scale : float, optional
         Multiplies ``q``; ``None`` means **no scale** -- unlike the rest of arrayattn,
         where it means ``1/sqrt(d)``: fla's gated kernels take the scale explicitly (their

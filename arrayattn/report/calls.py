@@ -21,11 +21,11 @@ __all__ = ["on_host", "Compiled", "Executables", "implied_matrix", "wide_v_shape
 
 #: XLA options of the report's programs on a CPU: LLVM at XLA's backend optimisation
 #: level 1 instead of the default 2 compiles them about a quarter faster, and they give
-#: the same outputs at the same speed (``benchmarks/report_xla_level.py``); XLA's older
+#: the same outputs at the same speed (``benchmarks/results/report.md``); XLA's older
 #: loop emitters instead of its MLIR "fusion emitters" (``xla_cpu_use_fusion_emitters``
 #: off) compile them about 40% faster again at level 1, every output bit-for-bit the
 #: same, the calls as fast but LSH's on the real-heads shape (2x;
-#: ``benchmarks/results/report_jax_vs_numpy.md``); and LLVM's code generation of a
+#: ``benchmarks/results/report.md``); and LLVM's code generation of a
 #: program in one piece instead of split for parallel threads
 #: (``xla_cpu_parallel_codegen_split_count`` 1): a program alone compiles a little
 #: slower, but with 22% fewer CPU seconds, and the report keeps both cores busy with
@@ -46,7 +46,7 @@ def openblas_threads(n: int | None, packages=("scipy", "numpy")) -> dict:
     The JAX report sets both to 1 while it runs on a CPU: OpenBLAS's threads wait for
     work by spinning, and beside XLA's compiles and calls (and on a loaded machine) they
     slowed Nyström's ``m x m`` SVD 100x (1.4 ms -> 0.2-0.5 s a call) and took CPU from
-    every program (``benchmarks/results/report_jax_vs_numpy.md``)."""
+    every program (``benchmarks/results/report.md``)."""
     import glob
     import importlib
     import os

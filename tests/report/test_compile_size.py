@@ -136,31 +136,6 @@ def test_sizes_exercise_the_loops():
     assert arrayattn.get_variant("softmax_blockwise")(q, q, q).shape == q.shape
 
 
-def test_jit_compile_benchmark_smoke(tmp_path):
-    """benchmarks/jit_compile.py on a tiny configuration: its table and JSON."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path / "jc"
-    done = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "jit_compile.py"), "--variants",
-         "gla,softmax_blockwise", "--sizes", "32,64", "--heads", "1", "--d", "8",
-         "--repeats", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=root,
-        env={**os.environ, "PYTHONPATH": root})
-    assert done.returncode == 0, done.stderr[-2000:]
-    data = json.loads((tmp_path / "jc.json").read_text())
-    rows = {(r["variant"], r["n"]): r for r in data["rows"]}
-    assert set(rows) == {(v, n) for v in ("gla", "softmax_blockwise") for n in (32, 64)}
-    assert all("error" not in r and r["compile_s"] > 0 and r["alarms"] == 0
-               for r in rows.values())
-    assert rows[("gla", 32)]["ops"] == rows[("gla", 64)]["ops"]
-    assert "| gla |" in (tmp_path / "jc.md").read_text()
-
-
 @pytest.mark.parametrize("name, sizes", [("strided", (1024, 4096)), ("fixed", (1024, 16384)),
                                          ("lsh", (1024, 16384))])
 def test_loops_that_a_budget_adds_are_there_at_every_n(name, sizes):
