@@ -9,7 +9,17 @@ NumPy float32, torch autograd through the textbook forward, torch's SDPA backwar
 ratio above 1 would be a false finding.  It also records, per case, the smallest factor by
 which the error of the worst plain evaluation must be multiplied to be caught.
 
+It then calibrates the ensemble of plain evaluations (issue #48) on the forms the
+conventions' authors ship (``tests/testing/check/shipped.py``: FlashAttention's
+``attention_ref`` both ways, Hugging Face's attention functions, torch SDPA's backends,
+fla's naive references): every case of each convention's catalogue, forward and backward,
+float32, float16 and bfloat16, judged with every tolerance in full.  Per convention,
+kernel, dtype and output: the worst error / tolerance (the margin is its inverse) and the
+factor on the kernel's error from which the referee catches it (tolerance / error: the
+median over cases, and the largest -- caught everywhere from there).
+
     python benchmarks/referee_calibration.py [--seeds 20] [--out referee_calibration]
+        [--shipped-seeds 2] [--skip-plain]
 """
 from __future__ import annotations
 
@@ -180,12 +190,104 @@ def write(rows, out: str, seeds: int):
         f.write("\n".join(lines) + "\n")
 
 
+def shipped_kernels():
+    """``(convention, name, kernel)`` of the forms the conventions' authors ship."""
+    sys.path.insert(0, os.path.join(os.path.dirname(RESULTS), "..", "tests", "testing",
+                                    "check"))
+    import shipped as sh
+    out = [("flash_attn", "attention_ref", sh.attention_ref),
+           ("flash_attn", "attention_ref(upcast=False)",
+            sh.with_options(sh.attention_ref, upcast=False)),
+           ("flash_attn", "attention_ref(upcast=False, reorder_ops=True)",
+            sh.with_options(sh.attention_ref, upcast=False, reorder_ops=True)),
+           ("flash_attn_varlen", "attention_ref varlen", sh.attention_ref_varlen),
+           ("sdpa", "torch sdpa math", sh.sdpa_backend("math")),
+           ("sdpa", "torch sdpa cpu flash", sh.sdpa_backend("flash"))]
+    try:
+        out += [("sdpa", "hf eager", sh.hf_attention("eager")),
+                ("sdpa", "hf sdpa", sh.hf_attention("sdpa"))]
+    except ImportError:
+        pass
+    try:
+        refs = sh.fla_simple_gla_refs()
+        out += [("fla_simple_gla", "fla naive_chunk_simple_gla", refs["chunk16"]),
+                ("fla_simple_gla", "fla naive_recurrent_simple_gla", refs["recurrent"]),
+                ("fla_gla", "fla naive_recurrent_gla", sh.fla_gla_recurrent())]
+    except ImportError:
+        pass
+    return out
+
+
+def run_shipped(seeds: int):
+    """Rows of the shipped forms over every catalogue case (see the module docstring)."""
+    from dataclasses import replace
+
+    from arrayattn.testing.check.cases import catalogue
+    from arrayattn.testing.check.conventions import get_convention
+    from arrayattn.testing.check.search import Search
+
+    rows = []
+    for conv_name, name, fn in shipped_kernels():
+        conv = get_convention(conv_name)
+        stats = {}
+        for seed in range(seeds):
+            for case in catalogue(conv, ("float32", "float16", "bfloat16"), True):
+                out = Search(fn, conv).evaluate(conv.normalize(replace(case, seed=seed)))
+                if out.verdict is None or out.verdict.error is not None:
+                    continue
+                for label, c in out.verdict.items:
+                    key = (case.dtype, label if label.startswith("d") else label)
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        ratio = c.max_abs / c.tolerance
+                    ratio = ratio[np.isfinite(ratio) & (c.max_abs > 0)]
+                    if ratio.size:
+                        stats.setdefault(key, []).extend(ratio.tolist())
+        for (dtype, label), ratios in sorted(stats.items()):
+            r = np.asarray(ratios)
+            rows.append({"convention": conv_name, "kernel": name, "dtype": dtype,
+                         "what": label, "heads": int(r.size), "max_ratio": float(r.max()),
+                         "median_factor": float(np.median(1 / r)),
+                         "caught_everywhere_from": float(1 / r.min())})
+        print(f"{conv_name} {name}: worst {max(x['max_ratio'] for x in rows[-len(stats):]):.3f}"
+              if stats else f"{conv_name} {name}: no case", file=sys.stderr)
+    return rows
+
+
+def write_shipped(rows, out: str, seeds: int):
+    with open(os.path.join(RESULTS, out + "_shipped.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    lines = [f"# Referee calibration: the forms the conventions' authors ship ({seeds} "
+             "seeds of each convention's catalogue)", "",
+             "The tolerance is the ensemble of plain evaluations (`arrayattn.testing.plain`, "
+             "issue #48), every term measured.  Per head: ratio = error / tolerance (above "
+             "1: a false finding); the factor on that head's error from which it is caught "
+             "is 1 / ratio.  `max ratio`: the worst head (margin = 1 / max ratio); "
+             "`median factor`: the median head's; `caught everywhere from`: the largest "
+             "(every head of every case is caught with its error multiplied by that).  The "
+             "half-precision rows use FlashAttention's same-dtype rule (2x the worst plain "
+             "half evaluation); `LESS ACCURATE` heads count with their ratio to it.", "",
+             "| convention | kernel | dtype | output | heads | max ratio | median factor | "
+             "caught everywhere from |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['convention']} | {r['kernel']} | {r['dtype']} | {r['what']} | "
+                     f"{r['heads']} | {r['max_ratio']:.3f} | {r['median_factor']:.1f}x | "
+                     f"{r['caught_everywhere_from']:.1f}x |")
+    with open(os.path.join(RESULTS, out + "_shipped.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--out", default="referee_calibration")
+    ap.add_argument("--shipped-seeds", type=int, default=2)
+    ap.add_argument("--skip-plain", action="store_true",
+                    help="only the shipped forms' calibration")
     args = ap.parse_args(argv)
-    write(run(args.seeds), args.out, args.seeds)
+    if not args.skip_plain:
+        write(run(args.seeds), args.out, args.seeds)
+    if args.shipped_seeds:
+        write_shipped(run_shipped(args.shipped_seeds), args.out, args.shipped_seeds)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from .assertions import (check_tolerance, default_tolerance, xp_assert_close, xp
                          xp_assert_kind)
 from .comparison import Comparison
 from .grads import GradComparison, assert_grads_match, compare_grads
+from . import plain
 from .measures import EPS, TOLERANCE_FACTOR, round_to
 from .outputs import RULES, assert_matches_reference, compare_lse, compare_to_reference
 from .problem import LAYOUTS
@@ -19,4 +20,4 @@ __all__ = ["xp_assert_close", "xp_assert_equal", "xp_assert_kind", "default_tole
            "compare_lse", "Comparison", "Profile", "PROFILES", "get_profile", "LAYOUTS",
            "Prepared", "compare_grads", "assert_grads_match", "GradComparison",
            "TOLERANCE_FACTOR", "EPS", "round_to", "RULES", "check_kernel",
-           "assert_kernel_conforms", "KernelCheck"]
+           "assert_kernel_conforms", "KernelCheck", "plain"]

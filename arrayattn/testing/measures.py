@@ -7,7 +7,7 @@ import numpy as np
 from ..core.xp import to_numpy
 
 __all__ = ["EPS", "TOLERANCE_FACTOR", "dtype_name", "is_array", "host64", "working_dtype",
-           "cast_floating", "Nudge", "HeadErrors", "head_errors", "own_head_error",
+           "cast_floating", "Nudge", "value_signs", "HeadErrors", "head_errors", "own_head_error",
            "derived_tolerance", "round_to", "error_of"]
 
 #: Machine epsilon of the floating dtypes an external output may have.
@@ -62,15 +62,29 @@ def cast_floating(options: dict, dtype: str, convert=None) -> dict:
     return {key: cast(key, val) for key, val in options.items()}
 
 
+def value_signs(x: np.ndarray, seed: int = 0) -> np.ndarray:
+    """A pseudo-random sign for each entry of ``x``, a function of its value (its float64
+    bits, mixed with ``seed``) and not of its position: like a rounding, equal values move
+    alike, so the same numbers in another layout (grouped key heads repeated, a batch
+    reshaped) get the same perturbation -- one verdict whatever the layout."""
+    bits = np.ascontiguousarray(np.asarray(x, dtype=np.float64)).view(np.uint64)
+    with np.errstate(over="ignore"):
+        h = (bits ^ np.uint64((0x9E3779B97F4A7C15 * (seed + 1)) % 2**64)) * \
+            np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
+    return np.where((h >> np.uint64(40)) & np.uint64(1), 1.0, -1.0)
+
+
 class Nudge:
-    """A random relative perturbation of one unit roundoff of ``work``: ``x (1 +- u)``,
-    signs drawn from a fixed seed so that the tolerance is reproducible."""
+    """A pseudo-random relative perturbation of one unit roundoff of ``work``: ``x (1 +-
+    u)``, the sign a function of the value and a fixed seed (:func:`value_signs`), so that
+    the tolerance is reproducible and the same in every layout."""
 
     def __init__(self, work: str, seed: int = 0):
-        self.u, self.rng = EPS[work] / 2, np.random.default_rng(seed)
+        self.u, self.seed = EPS[work] / 2, seed
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return x * (1.0 + self.u * self.rng.choice([-1.0, 1.0], size=x.shape))
+        return x * (1.0 + self.u * value_signs(x, self.seed))
 
 
 class HeadErrors:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .measures import value_signs
+
 __all__ = ["JITTER_SCALE", "HALF_JITTER_SCALE", "JITTER_DRAWS", "Jitter", "sensitivity",
            "logit_sizes", "logit_rounding", "key_group", "logit_scale"]
 
@@ -53,11 +55,12 @@ class Jitter:
     rounded away: ``u`` the unit roundoff of the precision whose rounding it stands for."""
 
     def __init__(self, eps: float, seed: int = 0, scale: float = JITTER_SCALE):
-        self.u, self.rng = scale * eps / 2, np.random.default_rng(seed)
+        self.u, self.rng, self.seed = scale * eps / 2, np.random.default_rng(seed), seed
 
     def __call__(self, x: np.ndarray, share: float = 1.0) -> np.ndarray:
+        # signs by value, as a rounding: the same numbers in any layout move alike
         x = np.asarray(x, dtype=np.float64)
-        return x * (1.0 + share * self.u * self.rng.choice([-1.0, 1.0], size=x.shape))
+        return x * (1.0 + share * self.u * value_signs(x, self.seed))
 
     def named(self, name: str):
         """The perturbation of the array called ``name`` (:data:`VALUE_SHARE` of it for
