@@ -20,10 +20,14 @@ __all__ = ["Verdict", "judge", "judge_inputs", "grad_options", "ratio", "compare
 
 
 def ratio(c: Comparison) -> float:
-    """The worst error / tolerance of a comparison (inf for a non-finite error)."""
+    """The worst error / tolerance of a comparison (inf for a non-finite error), against
+    the tolerance that decided each head: the float64 rule's for a gradient head that
+    passes as LESS ACCURATE."""
+    tol = c.tolerance
+    if c.lenient is not None and not c.strict and c.less_accurate:
+        tol = np.where(np.isin(np.arange(len(c.heads)), c.less_accurate), c.lenient, tol)
     with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(np.isfinite(c.max_abs), c.max_abs / np.maximum(c.tolerance, 1e-300),
-                     np.inf)
+        r = np.where(np.isfinite(c.max_abs), c.max_abs / np.maximum(tol, 1e-300), np.inf)
     return float(np.max(r, initial=0.0))
 
 
