@@ -230,8 +230,10 @@ def run_shipped(seeds: int):
     for conv_name, name, fn in shipped_kernels():
         conv = get_convention(conv_name)
         stats = {}
+        dtypes = ("float32", "float16", "bfloat16")
+        cases = [replace(c, dtype=dt) for c in catalogue(conv, dtypes, True) for dt in dtypes]
         for seed in range(seeds):
-            for case in catalogue(conv, ("float32", "float16", "bfloat16"), True):
+            for case in dict.fromkeys(cases):       # every catalogue case in every dtype
                 out = Search(fn, conv).evaluate(conv.normalize(replace(case, seed=seed)))
                 if out.verdict is None or out.verdict.error is not None:
                     continue
