@@ -51,6 +51,13 @@ class KernelCheck:
                  f"{self.seconds:.1f} s; dtypes {', '.join(sorted(cov.get('dtypes', ())))}; "
                  f"n up to {cov.get('max_n', 0)}, s up to {cov.get('max_s', 0)}"
                  + ("; GQA" if cov.get("gqa") else "")]
+        if cov.get("largest"):
+            lines.append(f"head dims {', '.join(map(str, sorted(cov.get('dims', ()))))}; "
+                         f"largest case: {cov['largest'][1]}")
+        if cov.get("values") or cov.get("poison"):
+            lines.append("values: normal, " + ", ".join(sorted(cov.get("values", ())))
+                         + ("; poison: " + ", ".join(sorted(cov["poison"]))
+                            if cov.get("poison") else ""))
         if cov.get("options"):
             lines.append("options covered: " + ", ".join(sorted(cov["options"])))
         if self.unsupported:
@@ -74,7 +81,7 @@ class KernelCheck:
 
 def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=None,
                  grads: bool = True, skip=(), repro=None, device: str = "cpu",
-                 log=None) -> KernelCheck:
+                 log=None, max_size: int = 2 ** 24) -> KernelCheck:
     """Search for a case where ``fn`` disagrees with arrayattn's float64 reference.
 
     Parameters
@@ -99,6 +106,10 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
         Options never drawn.
     repro : str, optional
         Where to write the repro ``.npz`` of a finding.
+    max_size : int
+        The elements of the largest tensor of a case (the logits ``b h n s`` or an input;
+        default 2**24: 128 MiB in float64): bounds the large cases' memory; 0 keeps to the
+        small cases.
 
     Returns
     -------
@@ -118,7 +129,7 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
     if not callable(fn):
         raise TypeError(f"fn must be callable; got {type(fn).__name__}")
     search = Search(fn, conv, budget=float(budget), seed=int(seed), grads=bool(grads),
-                    skip=tuple(skip), log=log)
+                    skip=tuple(skip), log=log, max_size=_max_size(max_size))
     dtypes = default_dtypes(search.evaluate, conv) if dtypes is None else tuple(dtypes)
     search.dtypes = dtypes
     t0 = time.monotonic()
@@ -134,6 +145,13 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
             from .repro import write_repro
             res.repro, res.validate = repro, write_repro(repro, conv, fn, found)
     return res
+
+
+def _max_size(value) -> int:
+    """``max_size`` checked: an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_size must be an int >= 0 (elements); got {value!r}")
+    return value
 
 
 def assert_kernel_conforms(fn, convention, **kwargs) -> KernelCheck:

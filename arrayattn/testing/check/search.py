@@ -8,7 +8,8 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 
-from .cases import HALF, Case, case_strategy, catalogue, smaller
+from .cases import (HALF, Case, case_strategy, catalogue, large_catalogue,
+                    reach_catalogue, smaller)
 from .judge import Verdict, judge
 
 __all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes"]
@@ -55,6 +56,8 @@ class Search:
     worst: tuple = (0.0, None)
     first_found: float | None = None
     started: float = 0.0
+    #: elements of the largest tensor of a case (cases.Case.elements); 0: small cases only
+    max_size: int = 2 ** 24
 
     # -- one case -----------------------------------------------------------------
     def evaluate(self, case: Case) -> Outcome:
@@ -122,6 +125,13 @@ class Search:
         c.setdefault("dtypes", set()).add(case.dtype)
         c.setdefault("options", set()).update(f"{k}={v}" for k, v in case.active().items())
         c["max_n"], c["max_s"] = max(c.get("max_n", 0), case.n), max(c.get("max_s", 0), case.s)
+        c.setdefault("dims", set()).add(case.d)
+        if case.values != "normal":
+            c.setdefault("values", set()).add(case.values)
+        if case.poison:
+            c.setdefault("poison", set()).add(case.poison.partition(":")[0])
+        if case.elements() > c.get("largest", (0, ""))[0]:
+            c["largest"] = (case.elements(), case.describe().split(", seed")[0])
         c["gqa"] = c.get("gqa", False) or case.hq != case.hkv
         if verdict.ok and verdict.worst >= self.worst[0]:
             self.worst = (verdict.worst, case)
@@ -136,7 +146,7 @@ class Search:
         self.started = time.monotonic()
         deadline = self.started + self.budget
         try:
-            for case in catalogue(self.conv, self.dtypes, self.grads, self.skip):
+            for case in self._catalogues():
                 if time.monotonic() > deadline:
                     raise OutOfTime
                 if self.fails(case):
@@ -146,6 +156,15 @@ class Search:
         except OutOfTime:
             return None
         return found
+
+    def _catalogues(self):
+        """The small edge catalogue, the value classes and poison, then (within
+        ``max_size``) the large cases, cheapest first."""
+        args = (self.conv, self.dtypes, self.grads, self.skip)
+        yield from catalogue(*args)
+        yield from reach_catalogue(*args)
+        if self.max_size:
+            yield from large_catalogue(*args, max_size=self.max_size)
 
     def _shrink_deadline(self) -> float:
         return time.monotonic() + max(10.0, 0.5 * self.budget)
@@ -168,7 +187,8 @@ class Search:
                 best[:] = [case]
             return True
 
-        strategy = case_strategy(self.conv, self.dtypes, self.grads, self.skip)
+        strategy = case_strategy(self.conv, self.dtypes, self.grads, self.skip,
+                                 max_size=self.max_size)
         opts = settings(max_examples=10**6, deadline=None, database=None,
                         phases=[Phase.generate, Phase.shrink],
                         suppress_health_check=list(HealthCheck))
