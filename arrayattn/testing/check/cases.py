@@ -153,6 +153,10 @@ def reach_catalogue(conv, dtypes, grads: bool, skip=()) -> list:
         if grads and "backward" in conv.space and "backward" not in skip:
             cases.append(replace(base, values=v).with_options(backward=True))
         cases += [replace(base, values=v, dtype=dt) for dt in half]
+    if "segments" in conv.space and "segments" not in skip and grads and \
+            "backward" in conv.space and "backward" not in skip:
+        cases += [base.with_options(segments=seg, backward=True)
+                  for seg in conv.space["segments"][1:]]
     if conv.poison_regions(base) or conv.poison_regions(base.with_options(
             window_size=(3, 0))):
         windows = [w for w in conv.space.get("window_size", ()) if w[0] >= 0] \
@@ -317,6 +321,8 @@ def smaller(case: Case, conv) -> list:
             if case.hkv - 2 ** k >= 1:
                 hkv = case.hkv - 2 ** k
                 cands.append(replace(case, hkv=hkv, hq=hkv * group))
+        cands += [replace(case, hq=case.hkv * (group - 2 ** k))
+                  for k in range(int(np.log2(group)), -1, -1) if group - 2 ** k >= 1]
     if case.b > 1:
         cands.append(replace(case, b=1))
         cands += [replace(case, b=case.b - 2 ** k)

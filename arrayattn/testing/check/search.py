@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 
 from .cases import (HALF, Case, case_strategy, catalogue, large_catalogue,
                     reach_catalogue, smaller)
-from .judge import Verdict, judge
+from .judge import Verdict
+from .sampling import judge_case
 
 __all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes"]
 
@@ -73,7 +74,7 @@ class Search:
             return Outcome(case, Verdict(error=_raised("the kernel", exc)),
                            time.perf_counter() - t0)
         try:
-            verdict = judge(call, self.conv, results, grads)
+            verdict = judge_case(case, call, self.conv, results, grads)
         except Exception as exc:  # a result of the wrong shape, a missing state ...
             verdict = Verdict(error=_raised("judging its result", exc))
         return Outcome(case, verdict, time.perf_counter() - t0)
