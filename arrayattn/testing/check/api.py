@@ -73,6 +73,10 @@ class KernelCheck:
         lines += ["  " + line for line in f.verdict.lines()]
         if self.repro:
             lines.append(f"repro: {self.repro}; judge it with: {self.validate}")
+        if any(label.endswith(" rows)") for label, _ in f.verdict.items):
+            lines.append("judged on sampled query rows (the sampled judge); the repro holds "
+                         "their sub-problem" + (f", the rows in {self.repro}.rows.txt"
+                                                if self.repro else ""))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -113,6 +113,14 @@ def write_repro(path: str, conv, fn, case) -> str:
     command that judges it."""
     call = conv.build(case)
     results, grads = conv.run(fn, call, case, bool(case.opts.get("backward")))
+    from .sampling import repro_rows
+    sampled = repro_rows(conv, call, case, results, grads)
+    if sampled is not None:      # judged on sampled rows: their sub-problem, the rows beside
+        arrays, flags, rows = sampled
+        np.savez(path, **arrays)
+        np.savetxt(path + ".rows.txt", rows, fmt="%d",
+                   header=f"the query rows of {case.describe()} judged (of n = {case.n})")
+        return validate_command(path, flags)
     arrays, flags = repro_arrays(conv, call, case, results, grads)
     np.savez(path, **arrays)
     return validate_command(path, flags)

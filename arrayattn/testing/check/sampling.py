@@ -173,3 +173,44 @@ def _take_rows(x, rows: np.ndarray, axis: int, swap: bool):
         return jnp.swapaxes(y, -3, -2) if swap else y
     y = np.take(np.asarray(x), rows, axis=axis)
     return np.swapaxes(y, -3, -2) if swap else y
+
+
+def repro_rows(conv, call, case, results: dict, grads: dict):
+    """The repro of a case judged on sampled rows: ``(arrays, validate's flags, rows)`` of
+    the row sub-problem (q, out and lse rows, k, v, the explicit mask and bias; ``validate
+    --variant softmax`` judges exactly the rows the check judged), or ``None`` for a case
+    judged whole."""
+    from .judge import judge_inputs
+
+    x = judge_inputs(call)
+    rows = None if grads else sampled_rows(case, call, x)
+    if rows is None:
+        return None
+    prob = _problem(call, x)
+    q, k, v, sub = row_problem(prob, rows)
+    dt = _np_dtype(call.tensors["q"])
+    arrays = {"q": q.astype(dt), "k": k.astype(dt), "v": v.astype(dt)}
+    out = _take_rows(conv.to_judge("out", results["out"]), rows,
+                     -3 if call.layout == "bnhd" else -2, call.layout == "bnhd")
+    arrays["out"] = _host(out).astype(_np_dtype(out))
+    if results.get("lse") is not None:
+        lse = _take_rows(results["lse"], rows, -1, False)
+        arrays["lse"] = _host(lse).astype(_np_dtype(lse))
+    arrays["mask"] = np.asarray(sub["mask"])
+    if "bias" in sub:
+        arrays["bias"] = np.asarray(sub["bias"])
+    flags = {"variant": "softmax"}
+    options = [f"{key}={sub[key]}" for key in ("scale", "softcap") if key in sub]
+    if options:
+        flags["option"] = options
+    return arrays, flags, rows
+
+
+def _np_dtype(x):
+    name = str(x.dtype).split(".")[-1]
+    return np.float32 if name == "bfloat16" else np.dtype(name)
+
+
+def _host(x):
+    from .conventions.base import host
+    return host(x)
