@@ -300,12 +300,12 @@ def smaller(case: Case, conv) -> list:
     :data:`DIMS`: a bug of the d = 128 path stays at 128), options, the normal values, the
     poison in one region alone then none, the plain magnitude and seed 0."""
     cands = []
-    steps = [(case.n // 2, case.s), (case.n, case.s // 2), (case.n // 2, case.s // 2),
-             (case.n - 1, case.s), (case.n, case.s - 1), (case.n - 1, case.s - 1)]
+    steps = [(case.n // 2, case.s), (case.n, case.s // 2), (case.n // 2, case.s // 2)]
     for k in range(int(np.log2(max(case.n, 1))), 0, -1):
         steps.append((case.n - 2 ** k, case.s))
     for k in range(int(np.log2(max(case.s, 1))), 0, -1):
         steps.append((case.n, case.s - 2 ** k))
+    steps += [(case.n - 1, case.s), (case.n, case.s - 1), (case.n - 1, case.s - 1)]
     seen = set()
     for n, s in steps:
         if conv.equal_lengths:

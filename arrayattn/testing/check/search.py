@@ -59,6 +59,9 @@ class Search:
     started: float = 0.0
     #: elements of the largest tensor of a case (cases.Case.elements); 0: small cases only
     max_size: int = 2 ** 24
+    _large: list | None = None
+    _large_time: float = 0.0
+    _found_large: Case | None = None
 
     # -- one case -----------------------------------------------------------------
     def evaluate(self, case: Case) -> Outcome:
@@ -159,13 +162,29 @@ class Search:
         return found
 
     def _catalogues(self):
-        """The small edge catalogue, the value classes and poison, then (within
-        ``max_size``) the large cases, cheapest first."""
+        """The small edge catalogue, then the value classes and poison (the large cases
+        are interleaved with the random draws: :meth:`_interleave`)."""
         args = (self.conv, self.dtypes, self.grads, self.skip)
         yield from catalogue(*args)
         yield from reach_catalogue(*args)
-        if self.max_size:
-            yield from large_catalogue(*args, max_size=self.max_size)
+
+    def _interleave(self, since: float) -> None:
+        """Run large catalogue cases (cheapest first, within ``max_size``) while they have
+        used less than :data:`LARGE_SHARE` of the time since the random draws began
+        (``since``): a bug the random draws find today is found at most 1 / (1 -
+        LARGE_SHARE) times later; a failing one raises :class:`_FoundLarge`."""
+        if self._large is None:
+            self._large = large_catalogue(self.conv, self.dtypes, self.grads, self.skip,
+                                          max_size=self.max_size) if self.max_size else []
+        while self._large and self._large_time < LARGE_SHARE * (time.monotonic() - since):
+            case = self._large.pop(0)
+            t0 = time.monotonic()
+            failed = self.fails(case)
+            self._large_time += time.monotonic() - t0
+            if failed:
+                self._found_large = case
+        if self._found_large is not None:      # every replay of Hypothesis raises it again
+            raise _FoundLarge(self._found_large)
 
     def _shrink_deadline(self) -> float:
         return time.monotonic() + max(10.0, 0.5 * self.budget)
@@ -176,9 +195,13 @@ class Search:
         best: list = []
         limit = [deadline]
 
+        since = time.monotonic()
+
         def condition(case):
             if time.monotonic() > limit[0]:
                 raise OutOfTime
+            if not best:
+                self._interleave(since)
             if not self.fails(case):
                 return False
             if not best:
@@ -197,9 +220,21 @@ class Search:
             hyp.find(strategy, condition, settings=opts, random=random.Random(self.seed))
         except (OutOfTime, hyp.errors.NoSuchExample):
             pass
+        except _FoundLarge:
+            pass
         except Exception as exc:  # OutOfTime while shrinking comes back in a group
-            if not _only_out_of_time(exc):
+            if _large_in(exc) is None and not _only_out_of_time(exc):
                 raise
+        if not best and self._found_large is None:   # the draws ran out: the rest
+            while self._large and time.monotonic() < deadline:
+                case = self._large.pop(0)
+                if self.fails(case):
+                    self._found_large = case
+                    break
+        if not best and self._found_large is not None:
+            case = self._found_large
+            self._say(f"large case fails: {case.describe()}; shrinking")
+            return self.polish(case, self._shrink_deadline())
         return self.polish(best[0], limit[0]) if best else None
 
     def polish(self, case: Case, deadline: float) -> Case:
@@ -215,6 +250,29 @@ class Search:
                     case, improved = cand, True
                     break
         return case
+
+
+#: The share of the random phase's time the large catalogue cases may take.
+LARGE_SHARE = 1 / 3
+
+
+class _FoundLarge(Exception):
+    """A large catalogue case failed (raised through Hypothesis to the search)."""
+
+    def __init__(self, case):
+        super().__init__(case.describe())
+        self.case = case
+
+
+def _large_in(exc: BaseException):
+    """The case of a :class:`_FoundLarge` in ``exc`` or its group, else None."""
+    if isinstance(exc, _FoundLarge):
+        return exc.case
+    for inner in getattr(exc, "exceptions", None) or ():
+        found = _large_in(inner)
+        if found is not None:
+            return found
+    return None
 
 
 def _only_out_of_time(exc: BaseException) -> bool:
