@@ -137,7 +137,7 @@ def test_smaller_keeps_a_head_dim_and_halves_lengths_by_powers():
     assert dims[:2] == [8, 96]                  # 8 first (as before), then descending
     lengths = [c.s for c in cands if replace(c, s=16384) == case]
     # halved, then less by every power of two (largest first), then one less
-    assert lengths[:3] == [8192, 16384 - 8192, 16384 - 4096] and lengths[-1] == 16383
+    assert lengths[:3] == [8192, 16384 - 4096, 16384 - 2048] and lengths[-1] == 16383
 
 
 def test_large_catalogue_within_max_size_and_summary_names_the_largest():
