@@ -236,7 +236,7 @@ def _unique(conv, cases, dtypes) -> list:
 
 def case_strategy(conv, dtypes, grads: bool, skip=(), max_size: int = 2 ** 24):
     """The Hypothesis strategy of random cases: small values first, so that shrinking moves
-    toward few tokens, heads, options and the plain magnitude; one draw in eight large
+    toward few tokens, heads, options and the plain magnitude; one draw in sixteen large
     (:func:`_large`), each fitted within ``max_size`` elements (and 2**22 logits: a
     random draw stays cheap; ``max_size=0``: small draws only)."""
     from hypothesis import strategies as st
@@ -259,14 +259,14 @@ def case_strategy(conv, dtypes, grads: bool, skip=(), max_size: int = 2 ** 24):
                     seed=draw(st.integers(0, 2**16)),
                     magnitude=draw(st.sampled_from(MAGNITUDES)))
         # the reach (drawn after the dimensions above, so that their draws stay as before):
-        # one draw in four a value class, one in eight poison, one in eight large sizes
+        # one draw in four a value class, one in eight poison, one in sixteen large sizes
         values = getattr(conv, "values", ("normal",))
         if len(values) > 1 and draw(st.integers(0, 3)) == 3:
             case = replace(case, values=draw(st.sampled_from(values[1:])))
         if conv.poison_regions(conv.normalize(case.with_options(**opts))) and \
                 draw(st.integers(0, 7)) == 7:
             case = replace(case, poison=draw(st.sampled_from(POISONS[1:])))
-        if max_size and draw(st.integers(0, 7)) == 7:
+        if max_size and draw(st.integers(0, 15)) == 15:
             case = _large(draw, st, conv, case)
         if case.values == "overflow" and case.dtype not in HALF:
             case = replace(case, values="far_above")

@@ -222,3 +222,18 @@ def test_shrinking_a_large_case_keeps_every_new_dimension_minimal():
     cands = smaller(case, conv)
     assert replace(case, values="normal") in cands and replace(case, poison="") in cands
     assert replace(case, poison="nan:pages_a_window_skips") in cands
+
+
+@pytest.mark.parametrize("conv,seed", [("flash_attn", 0), ("flash_attn", 1),
+                                       ("flash_attn_kvcache", 0), ("flash_attn_varlen", 1),
+                                       ("torch_sdpa", 0)])
+def test_clean_kernels_are_not_flagged_at_the_new_sizes(conv, seed):
+    """Large catalogue cases and large random draws (within max_size 2**20), every value
+    class and poison: no finding on the clean kernels or torch's SDPA."""
+    import torch
+    fn = torch.nn.functional.scaled_dot_product_attention if conv == "torch_sdpa" \
+        else CLEAN[conv]
+    res = check_kernel(fn, "sdpa" if conv == "torch_sdpa" else conv, budget=15, seed=seed,
+                       max_size=2 ** 20)
+    assert res.ok, res.summary()
+    assert res.covered["largest"][0] > 2 ** 16, res.summary()
