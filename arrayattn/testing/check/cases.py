@@ -150,7 +150,8 @@ def reach_catalogue(conv, dtypes, grads: bool, skip=()) -> list:
             cases += [replace(base, values=v, dtype=dt) for dt in half]
             continue
         cases.append(replace(base, values=v))
-        if grads and "backward" in conv.space and "backward" not in skip:
+        if grads and "backward" in conv.space and "backward" not in skip and \
+                v not in FORWARD_ONLY:
             cases.append(replace(base, values=v).with_options(backward=True))
         cases += [replace(base, values=v, dtype=dt) for dt in half]
     if "segments" in conv.space and "segments" not in skip and grads and \
@@ -222,10 +223,25 @@ def fit(case: Case, max_size: int) -> Case:
     return case
 
 
+#: The value classes judged forward only: their gradients' float32 error comes from the
+#: rounding of the lse at its own size (``P = exp(S - lse)`` with ``S`` and ``lse`` near
+#: -1e4: an absolute error of ~1e-3 in every exponent, as in FlashAttention's backward),
+#: which the gradient referee's baseline does not carry yet (torch's SDPA backward was
+#: flagged at 3.7x on ``dq``).
+FORWARD_ONLY = ("far_below", "far_above", "sentinel", "overflow")
+
+
+def forward_only(case: Case) -> Case:
+    """``case`` without the backward when its value class is judged forward only."""
+    if case.values in FORWARD_ONLY and case.opts.get("backward"):
+        return case.with_options(backward=None)
+    return case
+
+
 def _unique(conv, cases, dtypes) -> list:
     seen, unique = set(), []
-    for c in (conv.normalize(replace(c, dtype=c.dtype if c.dtype in dtypes else dtypes[0]))
-              for c in cases):
+    for c in (forward_only(conv.normalize(replace(
+            c, dtype=c.dtype if c.dtype in dtypes else dtypes[0]))) for c in cases):
         if conv.equal_lengths and c.n != c.s:
             c = replace(c, s=c.n)
         if c not in seen:
@@ -270,10 +286,11 @@ def case_strategy(conv, dtypes, grads: bool, skip=(), max_size: int = 2 ** 24):
             case = _large(draw, st, conv, case)
         if case.values == "overflow" and case.dtype not in HALF:
             case = replace(case, values="far_above")
-        case = conv.normalize(case.with_options(**opts))
+        case = forward_only(conv.normalize(case.with_options(**opts)))
+        case = fit(case, min(max_size or 2 ** 22, 2 ** 22))
         if conv.equal_lengths and case.s != case.n:
-            case = replace(case, s=case.n)
-        return fit(case, min(max_size or 2 ** 22, 2 ** 22))
+            case = replace(case, n=min(case.n, case.s), s=min(case.n, case.s))
+        return case
 
     return draw_case()
 
@@ -349,7 +366,7 @@ def smaller(case: Case, conv) -> list:
         cands.append(replace(case, seed=0))
     out = []
     for c in cands:
-        c = conv.normalize(c)
+        c = forward_only(conv.normalize(c))
         if c != case and c not in out:
             out.append(c)
     return out

@@ -225,8 +225,8 @@ def _poison(t: dict, slots: np.ndarray, poison: str, rng, conv):
     else:
         big = float(np.finfo(np.float16).max if str(t["k"].dtype).endswith("float16")
                      else 1e30)
-        sign = rng.choice((-1.0, 1.0), k[slots].shape)
-        k[slots], v[slots] = sign * np.inf, -sign * big
+        k[slots] = rng.choice((-1.0, 1.0), k[slots].shape) * np.inf
+        v[slots] = rng.choice((-1.0, 1.0), v[slots].shape) * big
     out = dict(t)
     dtype = str(t["k"].dtype).split(".")[-1]
     out["k"], out["v"] = (to_framework(x, conv.framework, dtype, conv.device) for x in (k, v))
