@@ -193,6 +193,10 @@ def large_catalogue(conv, dtypes, grads: bool, skip=(), max_size: int = 2 ** 24)
     shapes = [(300, 300), (257, 520), (520, 1100)] if not conv.equal_lengths else [(300, 300)]
     for key, value in causal + [w for w in windows if w[0] not in skip]:
         cases += [replace(base, n=n, s=s).with_options(**{key: value}) for n, s in shapes]
+    if not conv.equal_lengths:      # many rows of several tiles: the sampled judge's regime
+        cases += [replace(base, hq=4, hkv=4, n=2048, s=2048, d=64, dv=64)] + [
+            replace(base, hq=4, hkv=4, n=2048, s=2048, d=64, dv=64).with_options(
+                **{key: value}) for key, value in causal[:1]]
     cases += [replace(base, b=3, hq=24, hkv=24 if not conv.gqa else 6),
               replace(base, b=2, hq=64, hkv=64 if not conv.gqa else 8, n=8, s=8)]
     if "segments" in conv.space and "segments" not in skip:
