@@ -200,9 +200,9 @@ def test_sampled_judge_finds_a_tile_bug_and_its_repro_is_validated(tmp_path, mon
 # -- the zoo of size- and value-gated bugs ------------------------------------------------
 #: The smallest budget (s) that finds each with seed 0 on a loaded 2-core machine, with
 #: margin (measured times in docs/check.rst, "Reach").
-BUDGETS = {"d128_scale": 25, "split_kv_merge": 20, "mem_efficient": 40,
-           "causal_tile_skip": 40, "program_ids": 20, "sentinel_max": 10,
-           "varlen_offset_wraps": 60, "varlen_bwd_no_queries": 25,
+BUDGETS = {"d128_scale": 20, "split_kv_merge": 15, "mem_efficient": 30,
+           "causal_tile_skip": 30, "program_ids": 15, "sentinel_max": 10,
+           "varlen_offset_wraps": 45, "varlen_bwd_no_queries": 20,
            "reads_window_pages": 10}
 
 
