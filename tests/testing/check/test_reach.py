@@ -237,3 +237,17 @@ def test_clean_kernels_are_not_flagged_at_the_new_sizes(conv, seed):
                        max_size=2 ** 20)
     assert res.ok, res.summary()
     assert res.covered["largest"][0] > 2 ** 16, res.summary()
+
+
+def test_cli_max_size(capsys):
+    """--max-size bounds the cases (0: small only); a negative one is a usage error."""
+    kernel = "torch.nn.functional:scaled_dot_product_attention"
+    assert cli.main(["check", kernel, "--convention", "sdpa", "--max-size", "-1"]) == 2
+    assert "--max-size" in capsys.readouterr().err
+    assert cli.main(["check", kernel, "--convention", "sdpa", "--budget", "1", "--dtype",
+                     "float32", "--no-grads", "--max-size", "0", "--repro",
+                     os.devnull]) == 0
+    out = capsys.readouterr().out
+    import re
+    assert "OK: nothing found" in out
+    assert int(re.search(r"s up to (\d+)", out).group(1)) <= 160     # small cases only
