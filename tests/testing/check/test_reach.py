@@ -251,3 +251,20 @@ def test_cli_max_size(capsys):
     import re
     assert "OK: nothing found" in out
     assert int(re.search(r"s up to (\d+)", out).group(1)) <= 160     # small cases only
+
+
+def test_varlen_padding_is_poisoned_and_a_kernel_reading_it_is_found():
+    """k, v rows past cu_seqlens_k[-1] hold NaN for the kernel (forward cases); before,
+    the packed buffers had no padding at all."""
+    def reads_padding(q, k, v, cq, ck, *args, **kw):
+        out = CLEAN["flash_attn_varlen"](q, k, v, cq, ck, *args, **kw)
+        touched = k.float().sum() * 0           # a reduction over the whole buffer
+        return (out[0] + touched,) + tuple(out[1:]) if isinstance(out, tuple) \
+            else out + touched
+    res = check_kernel(reads_padding, "flash_attn_varlen", budget=10, seed=0,
+                       dtypes=["float32"], grads=False, max_size=0)
+    assert not res.ok
+    assert "(padding past cu seqlens)" in res.failure.case.describe(), res.summary()
+    conv = get_convention("flash_attn_varlen")
+    case = conv.normalize(Case(b=3, n=9, s=11, poison="nan").with_options(backward=True))
+    assert not case.poison                      # dk, dv of the padding are not judged

@@ -83,6 +83,8 @@ class FlashAttnVarlen(Convention):
 
     def normalize(self, case):
         seg = case.opts.get("segments")
+        if case.poison and case.opts.get("backward"):   # dk, dv of padding: not judged
+            case = replace(case, poison="")
         return replace(case, b=max(case.b, 8 if seg == "many" else 2)) if seg else case
 
     def _lengths(self, case, rng):
@@ -126,7 +128,20 @@ class FlashAttnVarlen(Convention):
         params = _port_params(kw, t)
         params.update(cu_seqlens_q=arrays["cu_seqlens_q"], cu_seqlens_k=arrays["cu_seqlens_k"])
         t["max_seqlen"] = (int(lq.max()), int(lk.max()))
-        return Call(t, ("q", "k", "v"), "softmax", "flash_attn", "bnhd", params)
+        inputs = None
+        if case.poison:      # padding past cu_seqlens_k[-1]: the kernel's k, v only
+            total = arrays["k"].shape[0]
+            padded = {**t, "k": _pad(t["k"]), "v": _pad(t["v"])}
+            slots = np.arange(padded["k"].shape[0]) >= total
+            inputs, t = _poison(padded, slots, case.poison, rng, self)
+            inputs = {name: x[:total] if name in ("k", "v") else x
+                      for name, x in inputs.items()}
+        return Call(t, ("q", "k", "v"), "softmax", "flash_attn", "bnhd", params,
+                    inputs=inputs)
+
+    def poison_regions(self, case) -> tuple:
+        """The padding rows of k and v past ``cu_seqlens_k[-1]`` (forward cases)."""
+        return ("padding_past_cu_seqlens",)
 
     def call(self, fn, t, case):
         kw = _options(case, np.random.default_rng(0), {})
@@ -231,3 +246,14 @@ def _poison(t: dict, slots: np.ndarray, poison: str, rng, conv):
     dtype = str(t["k"].dtype).split(".")[-1]
     out["k"], out["v"] = (to_framework(x, conv.framework, dtype, conv.device) for x in (k, v))
     return inputs, out
+
+
+def _pad(x):
+    """``x`` with ``max(rows // 4, 1)`` zero rows appended along the first axis (torch or
+    JAX): room for the padding a packed kernel must not read."""
+    rows = max(x.shape[0] // 4, 1)
+    if hasattr(x, "new_zeros"):
+        import torch
+        return torch.cat([x, x.new_zeros((rows,) + tuple(x.shape[1:]))])
+    import jax.numpy as jnp
+    return jnp.concatenate([x, jnp.zeros((rows,) + tuple(x.shape[1:]), x.dtype)])
