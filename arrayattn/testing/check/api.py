@@ -68,6 +68,13 @@ class KernelCheck:
                  f"{self.seconds:.1f} s; dtypes {', '.join(sorted(cov.get('dtypes', ())))}; "
                  f"n up to {cov.get('max_n', 0)}, s up to {cov.get('max_s', 0)}"
                  + ("; GQA" if cov.get("gqa") else "")]
+        if cov.get("largest"):
+            lines.append(f"head dims {', '.join(map(str, sorted(cov.get('dims', ()))))}; "
+                         f"largest case: {cov['largest'][1]}")
+        if cov.get("values") or cov.get("poison"):
+            lines.append("values: normal, " + ", ".join(sorted(cov.get("values", ())))
+                         + ("; poison: " + ", ".join(sorted(cov["poison"]))
+                            if cov.get("poison") else ""))
         if cov.get("options"):
             lines.append("options covered: " + ", ".join(sorted(cov["options"])))
         if self.unsupported:
@@ -90,6 +97,10 @@ class KernelCheck:
         if self.repro:
             lines.append(f"repro: {self.repro}; judge it with: {self.validate}")
         lines += [f"note: {note}" for note in self.notes]
+        if any(label.endswith(" rows)") for label, _ in f.verdict.items):
+            lines.append("judged on sampled query rows (the sampled judge); the repro holds "
+                         "their sub-problem" + (f", the rows in {self.repro}.rows.txt"
+                                                if self.repro else ""))
         return "\n".join(lines)
 
     @property
@@ -110,7 +121,8 @@ def rerun_line(rerun: Outcome | None) -> str:
 
 def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=None,
                  grads: bool = True, skip=(), repro=None, device: str = "cpu",
-                 log=None, explain: bool = True, examples=()) -> KernelCheck:
+                 log=None, explain: bool = True, examples=(),
+                 max_size: int = 2 ** 24) -> KernelCheck:
     """Search for a case where ``fn`` disagrees with arrayattn's float64 reference.
 
     Parameters
@@ -149,6 +161,10 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
     examples : sequence of Case, optional
         Cases tried before the catalogue (e.g. a finding of an earlier run, which is then
         shrunk again from there); ``.replayed`` is the one that still failed.
+    max_size : int
+        The elements of the largest tensor of a case (the logits ``b h n s`` or an input;
+        default 2**24: 128 MiB in float64): bounds the large cases' memory; 0 keeps to the
+        small cases.
 
     Returns
     -------
@@ -168,7 +184,8 @@ def check_kernel(fn, convention, *, budget: float = 60, seed: int = 0, dtypes=No
     if not callable(fn):
         raise TypeError(f"fn must be callable; got {type(fn).__name__}")
     search = Search(fn, conv, budget=float(budget), seed=int(seed), grads=bool(grads),
-                    skip=tuple(skip), log=log, examples=tuple(examples))
+                    skip=tuple(skip), log=log, examples=tuple(examples),
+                    max_size=_max_size(max_size))
     dtypes = default_dtypes(search.evaluate, conv) if dtypes is None else tuple(dtypes)
     search.dtypes = dtypes
     t0 = time.monotonic()
@@ -243,6 +260,13 @@ def _explain(fn, conv, case, dtypes, log):
         if log is not None:
             log(f"explaining the finding failed: {type(exc).__name__}: {exc}")
         return None
+
+
+def _max_size(value) -> int:
+    """``max_size`` checked: an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_size must be an int >= 0 (elements); got {value!r}")
+    return value
 
 
 def assert_kernel_conforms(fn, convention, **kwargs) -> KernelCheck:

@@ -79,6 +79,9 @@ def add_parser(sub):
     p.add_argument("--skip", default="", metavar="OPTION,...", help="options never drawn")
     p.add_argument("--repro", default="check_repro.npz", metavar="FILE.npz",
                    help="where a finding's repro goes (default check_repro.npz)")
+    p.add_argument("--max-size", type=int, default=2 ** 24, metavar="ELEMENTS",
+                   help="elements of a case's largest tensor (default 2**24; 0: small "
+                   "cases only)")
     p.add_argument("--json", default=None, metavar="FILE")
     p.set_defaults(func=run_check)
     return p
@@ -96,6 +99,8 @@ def _setup(args):
     if conv not in CONVENTIONS:
         conv = load_kernel(conv, "--convention") if ":" in conv else conv
     conv = get_convention(conv, args.device)
+    if args.max_size < 0:
+        raise ValueError(f"--max-size must be >= 0; got {args.max_size}")
     if args.budget <= 0:
         raise ValueError(f"--budget must be > 0; got {args.budget}")
     for dt in args.dtype or ():
@@ -119,6 +124,7 @@ def run_check(args) -> int:
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     res = check_kernel(fn, conv, budget=args.budget, seed=args.seed, dtypes=args.dtype,
                        grads=not args.no_grads, skip=skip, repro=args.repro,
+                       max_size=args.max_size,
                        log=lambda text: print(text, file=sys.stderr))
     print(res.summary())
     if args.json:

@@ -179,6 +179,17 @@ def write_repro(path: str, conv, fn, case, *, outcome=None, flaky: bool = False)
         except Exception as exc:
             error = _raised("the kernel", exc)
     arrays = None
+    if results is not None and error is None:
+        from .sampling import repro_rows
+        sampled = repro_rows(conv, call, case, results, grads or {})
+        if sampled is not None:  # judged on sampled rows: their sub-problem, rows beside
+            arrays, flags, rows = sampled
+            arrays[META] = np.asarray(json.dumps(repro_meta(conv, case, flags, error=None,
+                                                            flaky=flaky)))
+            np.savez(path, **arrays)
+            np.savetxt(path + ".rows.txt", rows, fmt="%d", header=f"the query rows of "
+                       f"{case.describe()} judged (of n = {case.n})")
+            return validate_command(path, flags)
     if results is not None:
         try:
             arrays, flags = repro_arrays(conv, call, case, results, grads or {})

@@ -8,9 +8,11 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from .cases import HALF, Case, case_strategy, catalogue, smaller
+from .cases import (HALF, Case, case_strategy, catalogue, large_catalogue,
+                    reach_catalogue, smaller)
 from .draws import local_constants_off
-from .judge import Verdict, judge
+from .judge import Verdict
+from .sampling import judge_case
 from .unsupported import Unsupported, isolate_unsupported
 
 __all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes",
@@ -69,6 +71,11 @@ class Search:
     first_found: float | None = None
     started: float = 0.0
     failures: dict = field(default_factory=dict)
+    #: elements of the largest tensor of a case (cases.Case.elements); 0: small cases only
+    max_size: int = 2 ** 24
+    _large: list | None = None
+    _large_time: float = 0.0
+    _found_large: Case | None = None
 
     # -- one case -----------------------------------------------------------------
     def evaluate(self, case: Case) -> Outcome:
@@ -85,7 +92,7 @@ class Search:
             return Outcome(case, Verdict(error=_raised("the kernel", exc)),
                            time.perf_counter() - t0, call)
         try:
-            verdict = judge(call, self.conv, results, grads)
+            verdict = judge_case(case, call, self.conv, results, grads)
         except Exception as exc:  # a result of the wrong shape, a missing state ...
             verdict = Verdict(error=_raised("judging its result", exc))
         return Outcome(case, verdict, time.perf_counter() - t0, call, results, grads)
@@ -162,6 +169,13 @@ class Search:
         c.setdefault("dtypes", set()).add(case.dtype)
         c.setdefault("options", set()).update(f"{k}={v}" for k, v in case.active().items())
         c["max_n"], c["max_s"] = max(c.get("max_n", 0), case.n), max(c.get("max_s", 0), case.s)
+        c.setdefault("dims", set()).add(case.d)
+        if case.values != "normal":
+            c.setdefault("values", set()).add(case.values)
+        if case.poison:
+            c.setdefault("poison", set()).add(case.poison.partition(":")[0])
+        if case.elements() > c.get("largest", (0, ""))[0]:
+            c["largest"] = (case.elements(), case.describe().split(", seed")[0])
         c["gqa"] = c.get("gqa", False) or case.hq != case.hkv
         if verdict.ok and verdict.worst >= self.worst[0]:
             self.worst = (verdict.worst, case)
@@ -182,7 +196,7 @@ class Search:
                     self._say(f"replayed stored case fails: {case.describe()}; shrinking")
                     return self.polish(case, self._shrink_deadline())
                 self._say(f"replayed stored case passes now: {case.describe()}")
-            for case in catalogue(self.conv, self.dtypes, self.grads, self.skip):
+            for case in self._catalogues():
                 if time.monotonic() > deadline:
                     raise OutOfTime
                 if self.fails(case):
@@ -193,6 +207,31 @@ class Search:
             return None
         return found
 
+    def _catalogues(self):
+        """The small edge catalogue, then the value classes and poison (the large cases
+        are interleaved with the random draws: :meth:`_interleave`)."""
+        args = (self.conv, self.dtypes, self.grads, self.skip)
+        yield from catalogue(*args)
+        yield from reach_catalogue(*args)
+
+    def _interleave(self, since: float) -> None:
+        """Run large catalogue cases (cheapest first, within ``max_size``) while they have
+        used less than :data:`LARGE_SHARE` of the time since the random draws began
+        (``since``): a bug the random draws find today is found at most 1 / (1 -
+        LARGE_SHARE) times later; a failing one raises :class:`_FoundLarge`."""
+        if self._large is None:
+            self._large = large_catalogue(self.conv, self.dtypes, self.grads, self.skip,
+                                          max_size=self.max_size) if self.max_size else []
+        while self._large and self._large_time < LARGE_SHARE * (time.monotonic() - since):
+            case = self._large.pop(0)
+            t0 = time.monotonic()
+            failed = self.fails(case)
+            self._large_time += time.monotonic() - t0
+            if failed:
+                self._found_large = case
+        if self._found_large is not None:      # every replay of Hypothesis raises it again
+            raise _FoundLarge(self._found_large)
+
     def _shrink_deadline(self) -> float:
         return time.monotonic() + max(10.0, 0.5 * self.budget)
 
@@ -202,9 +241,13 @@ class Search:
         best: list = []
         limit = [deadline]
 
+        since = time.monotonic()
+
         def condition(case):
             if time.monotonic() > limit[0]:
                 raise OutOfTime
+            if not best:
+                self._interleave(since)
             if not self.fails(case):
                 return False
             if not best:
@@ -214,7 +257,8 @@ class Search:
                 best[:] = [case]
             return True
 
-        strategy = case_strategy(self.conv, self.dtypes, self.grads, self.skip)
+        strategy = case_strategy(self.conv, self.dtypes, self.grads, self.skip,
+                                 max_size=self.max_size)
         opts = settings(max_examples=10**6, deadline=None, database=None,
                         phases=[Phase.generate, Phase.shrink],
                         suppress_health_check=list(HealthCheck))
@@ -223,13 +267,25 @@ class Search:
                 hyp.find(strategy, condition, settings=opts, random=random.Random(self.seed))
         except (OutOfTime, hyp.errors.NoSuchExample):
             pass
+        except _FoundLarge:
+            pass
         except Exception as exc:  # OutOfTime while shrinking comes back in a group
-            if not _only_out_of_time(exc):
+            if _large_in(exc) is None and not _only_out_of_time(exc):
                 if not _hypothesis_gave_up(exc, hyp):
                     raise
                 # a kernel whose verdicts change between calls (Flaky): Hypothesis stops
                 self._say(f"Hypothesis stopped ({type(exc).__name__}): the kernel's "
                           "verdicts change between calls")
+        if not best and self._found_large is None:   # the draws ran out: the rest
+            while self._large and time.monotonic() < deadline:
+                case = self._large.pop(0)
+                if self.fails(case):
+                    self._found_large = case
+                    break
+        if not best and self._found_large is not None:
+            case = self._found_large
+            self._say(f"large case fails: {case.describe()}; shrinking")
+            return self.polish(case, self._shrink_deadline())
         return self.polish(best[0], limit[0]) if best else None
 
     def polish(self, case: Case, deadline: float) -> Case:
@@ -245,6 +301,29 @@ class Search:
                     case, improved = cand, True
                     break
         return case
+
+
+#: The share of the random phase's time the large catalogue cases may take.
+LARGE_SHARE = 1 / 3
+
+
+class _FoundLarge(Exception):
+    """A large catalogue case failed (raised through Hypothesis to the search)."""
+
+    def __init__(self, case):
+        super().__init__(case.describe())
+        self.case = case
+
+
+def _large_in(exc: BaseException):
+    """The case of a :class:`_FoundLarge` in ``exc`` or its group, else None."""
+    if isinstance(exc, _FoundLarge):
+        return exc.case
+    for inner in getattr(exc, "exceptions", None) or ():
+        found = _large_in(inner)
+        if found is not None:
+            return found
+    return None
 
 
 def _only_out_of_time(exc: BaseException) -> bool:

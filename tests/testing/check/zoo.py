@@ -188,8 +188,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table
             length = length // page * page
         elif bug == "kvcache_past_seqlens":
             length = min(-(-length // page) * page, block_table.shape[1] * page)
-        k = k_cache[block_table[b].long()].reshape(-1, *k_cache.shape[2:])[:length]
-        v = v_cache[block_table[b].long()].reshape(-1, *v_cache.shape[2:])[:length]
+        first = 0   # the whole pages before every query's window are never read
+        if window_size[0] is not None and window_size[0] >= 0 and bug != "reads_window_pages":
+            first = max(length - q.shape[1] - window_size[0], 0) // page * page
+        k = k_cache[block_table[b].long()].reshape(-1, *k_cache.shape[2:])[first:length]
+        v = v_cache[block_table[b].long()].reshape(-1, *v_cache.shape[2:])[first:length]
         sl = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.ndim == 1
                                                 else alibi_slopes[b:b + 1])
         o, lse, _ = flash_attn_func(q[b:b + 1], k[None], v[None], softmax_scale=softmax_scale,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-__all__ = ["Call", "Convention", "to_framework", "host", "draw_qkv", "swap"]
+__all__ = ["Call", "Convention", "to_framework", "host", "draw_qkv", "swap", "shape_values",
+           "SENTINELS", "VALUE_CLASSES"]
 
 
 def swap(x: np.ndarray) -> np.ndarray:
@@ -64,15 +65,92 @@ def to_framework(x: np.ndarray, framework: str, dtype: str, device: str = "cpu")
 
 def draw_qkv(case, rng, *, unit_qk: bool = False) -> dict:
     """q, k, v, do in ``(b, h, n, d)``, float64: q and k of ``case.magnitude`` (L2-normalised
-    rows with ``unit_qk``), v and do standard normal."""
+    rows with ``unit_qk``), v and do standard normal; q and k then shaped to the case's
+    value class (:func:`shape_values`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from arrayattn.testing.check.cases import Case
+    >>> x = draw_qkv(Case(values="far_below"), np.random.default_rng(0))
+    >>> bool((np.einsum("bhid,bhjd->bhij", x["q"], x["k"]) * 16 ** -0.5 < -50).all())
+    True
+    """
     q = rng.standard_normal((case.b, case.hq, case.n, case.d))
     k = rng.standard_normal((case.b, case.hkv, case.s, case.d))
     if unit_qk:
         q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
     else:
         q, k = q * case.magnitude, k * case.magnitude
-    return {"q": q, "k": k, "v": rng.standard_normal((case.b, case.hkv, case.s, case.dv)),
-            "do": rng.standard_normal((case.b, case.hq, case.n, case.dv))}
+    out = {"q": q, "k": k, "v": rng.standard_normal((case.b, case.hkv, case.s, case.dv)),
+           "do": rng.standard_normal((case.b, case.hq, case.n, case.dv))}
+    values = getattr(case, "values", "normal")
+    if values != "normal" and not unit_qk:
+        out["q"], out["k"] = shape_values(values, out["q"], out["k"], _scale(case), case.dtype,
+                                          rng)
+    return out
+
+
+#: The value classes of softmax conventions (see ``cases.VALUES``).
+VALUE_CLASSES = ("normal", "far_below", "far_above", "ties", "dominant", "sentinel", "overflow")
+#: The scaled logits of the ``sentinel`` class: the finite values kernels mask or start a
+#: running max with (-1e4, -3e4, -5e4, float16's -65504, -1e5).
+SENTINELS = (-1e4, -3e4, -5e4, -65504.0, -1e5)
+#: The first coordinate of every key of the far classes (a power of two: q.k exact).
+_KEY = 256.0
+
+
+def _scale(case) -> float:
+    """The softmax scale the case's kernel applies (its option, else ``d ** -0.5``)."""
+    o = case.opts
+    return float(o.get("softmax_scale") or o.get("scale") or case.d ** -0.5)
+
+
+def shape_values(values: str, q, k, scale: float, dtype: str, rng):
+    """q, k of the value class ``values`` (see :data:`~arrayattn.testing.check.cases.VALUES`).
+
+    The far classes set the first coordinate of every key to 256 and of query row ``i`` to
+    ``t_i / (256 scale)``, the rest a quarter-grid Gaussian: the scaled logits of row ``i``
+    are ``t_i`` plus a spread of about one (products and sums exact in float32), with
+    ``t_i`` log-uniform in 1e2 .. 1e5 below (``far_below``) or above zero, one of
+    :data:`SENTINELS` (``sentinel``), or raw ``|q.k|`` 7e4 .. 3e5 of either sign
+    (``overflow``, past float16's 65504 before scaling).  ``ties`` draws every key from
+    two rows (exact ties of the logits), ``dominant`` one key per head whose logit exceeds
+    the others' by about 30."""
+    q, k = q.copy(), k.copy()
+    n, s = q.shape[-2], k.shape[-2]
+    if values == "ties":
+        if s:
+            protos = k[..., :2, :] if s >= 2 else k[..., :1, :]
+            k = protos[..., rng.integers(0, protos.shape[-2], s), :]
+        return q, k
+    if values == "dominant":
+        if s and q.shape[-1] > 1:
+            q[..., 0] = 4.0
+            k[..., 0] = 0.0
+            j = rng.integers(0, s)
+            k[..., j, 0] = 30.0 / (4.0 * scale)
+        return q, k
+    if values == "overflow" and dtype not in ("float16", "bfloat16"):
+        values = "far_above"
+    quarter = lambda x: np.round(x * 4.0) / 4.0  # noqa: E731
+    q[..., 1:] = quarter(rng.standard_normal(q[..., 1:].shape))
+    k[..., 1:] = quarter(rng.standard_normal(k[..., 1:].shape))
+    if values in ("far_below", "far_above"):
+        t = 10.0 ** rng.uniform(2, 5, n) * (-1 if values == "far_below" else 1)
+    elif values == "sentinel":
+        t = np.asarray(SENTINELS)[rng.integers(0, len(SENTINELS), n)]
+    elif values == "overflow":
+        t = 10.0 ** rng.uniform(np.log10(7e4), np.log10(3e5), n) * rng.choice((-1, 1), n) \
+            * scale
+    else:
+        raise ValueError(f"values must be one of normal, far_below, far_above, ties, "
+                         f"dominant, sentinel, overflow; got {values!r}")
+    if values != "overflow" and dtype in ("float16", "bfloat16"):
+        t = np.clip(t, -6e4 * scale, 6e4 * scale)      # raw q.k within float16's range
+    k[..., 0] = _KEY
+    q[..., 0] = quarter(t / (_KEY * scale))
+    return q, k
 
 
 class Convention:
@@ -90,6 +168,13 @@ class Convention:
     #: the convention's own signature, for the docs table
     signature = ""
     device = "cpu"
+    #: the value classes drawn (softmax conventions: all of ``cases.VALUES``)
+    values = ("normal",)
+
+    def poison_regions(self, case) -> tuple:
+        """The names of the regions of slots a correct kernel never reads (poisoned by
+        ``case.poison``); none by default."""
+        return ()
 
     def normalize(self, case):
         """The case made valid for this convention (options that cannot combine dropped)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Call, Convention, draw_qkv, host
+from .base import VALUE_CLASSES, Call, Convention, draw_qkv, host
 
 __all__ = ["Custom", "CUSTOM_OPTIONS"]
 
@@ -42,6 +42,7 @@ class Custom(Convention):
                              f"{sorted(CUSTOM_OPTIONS)}")
         self.space = {k: v for k, v in CUSTOM_OPTIONS.items() if k in wanted}
 
+    values = VALUE_CLASSES
     signature = "adapter.call(fn, q, k, v, **options) -> out or (out, lse)"
 
     def _swap(self, x):

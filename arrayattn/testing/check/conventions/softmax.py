@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .base import Call, Convention, draw_qkv, host, swap
+from .base import VALUE_CLASSES, Call, Convention, draw_qkv, host, swap
 
 __all__ = ["Sdpa", "FlexAttention", "JaxDotProductAttention"]
 
@@ -21,6 +21,7 @@ class Sdpa(Convention):
     """``fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     enable_gqa=False)``, layout ``(b, h, n, d)``, ``is_causal`` top-left."""
 
+    values = VALUE_CLASSES
     name = "sdpa"
     signature = ("fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, "
                  "enable_gqa=False) -> out")
@@ -97,6 +98,7 @@ class FlexAttention(Convention):
     ``score_mod`` (ALiBi, softcap) and the ``block_mask`` from a ``mask_mod`` (causal,
     sliding window, prefix-LM, document masking)."""
 
+    values = VALUE_CLASSES
     name = "flex_attention"
     signature = ("fn(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, "
                  "return_lse=False) -> out or (out, lse)")
@@ -143,6 +145,7 @@ class JaxDotProductAttention(Convention):
     ``(B, T, N, H)``; ``is_causal`` and the window top-left.  A row with no visible key is
     never drawn (JAX returns the mean of v there, arrayattn zeros)."""
 
+    values = VALUE_CLASSES
     name = "jax_dot_product_attention"
     framework = "jax"
     signature = ("fn(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, "
