@@ -232,6 +232,9 @@ def _baseline(problem, ref: np.ndarray, dtype: str, count: int, *, lse: bool = F
     if not same and (covered is None or rounding.MEASURE_ALWAYS or not covered(err)):
         work = working_dtype(dtype)
         eps = EPS[work]
+        rms = plain.logit_rounding_rms(problem, eps, lse=lse)
+        if rms is not None and np.shape(rms) == np.shape(ref):
+            err = np.maximum(err, own_head_error(ref + rms, ref, count)[0])
         jitter = sensitivity(lambda j: _convention(problem, j, eps).evaluate(
             "float64", j, lse=lse, options_too=True), ref, eps, scale=jitter_scale(rule))
         response, _ = own_head_error(ref + jitter, ref, count)

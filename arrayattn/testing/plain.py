@@ -43,7 +43,7 @@ import numpy as np
 from .measures import EPS, Nudge, cast_floating, round_to
 
 __all__ = ["Form", "OUTPUT_FORMS", "GRAD_FORMS", "output_baseline", "grad_baseline",
-           "forms_for"]
+           "forms_for", "logit_rounding_rms"]
 
 #: FlashAttention's tiles are 64-128 rows; 16 makes the online softmax merge several
 #: tiles on the checker's small cases too.
@@ -130,6 +130,14 @@ def _scale_first(problem, work, *, lse=False, half=None):
                        problem, lse)
 
 
+def _scale_split(problem, work, *, lse=False, half=None):
+    root = _scale(problem) ** 0.5
+    q, k = ((x * root).astype(work) for x in (problem.q, problem.k))
+    opts = cast_floating(dict(problem.options, scale=1.0), work)
+    return _with_shift(_reference(problem, q, k, problem.v.astype(work), opts, lse=lse),
+                       problem, lse)
+
+
 def _online(problem, work, *, lse=False, half=None):
     return replace(problem, options=dict(problem.options, block_size=ONLINE_BLOCK)).evaluate(
         work, lse=lse)
@@ -203,7 +211,7 @@ def _upcast(problem, work, *, lse=False, half=None):
 #: after the scale (``"hf"``: Hugging Face's eager ``matmul(q, k^T) * scaling``); or
 #: ``"fused"``: a fused kernel's float32 scores, probabilities and ``dP``, with the output
 #: stored in the half dtype and ``D = rowsum(dO O)`` formed from it (FlashAttention-2).
-ORDERS = ("after", "q", "k", "hf", "fused")
+ORDERS = ("after", "q", "k", "split", "hf", "fused")
 
 
 def _half_logits(problem, half, order: str):
@@ -237,8 +245,11 @@ def _half_logits(problem, half, order: str):
         qs = round_to(q * np.float32(scale), half).astype(np.float32)
     elif order == "k":
         ks = round_to(k * np.float32(scale), half).astype(np.float32)
+    elif order == "split":
+        root = np.float32(scale ** 0.5)
+        qs, ks = (round_to(x * root, half).astype(np.float32) for x in (q, k))
     raw = (q @ np.swapaxes(k, -1, -2)).astype(np.float64)        # the exact product
-    if order in ("q", "k"):
+    if order in ("q", "k", "split"):
         y = round_to((qs @ np.swapaxes(ks, -1, -2)).astype(np.float64), half)
     elif order == "hf":
         y = r(r(raw) * scale)
@@ -263,14 +274,14 @@ def _half_logits(problem, half, order: str):
             shift = shift.reshape(*full.shape[:-2], n, 1)
     with np.errstate(invalid="ignore"):
         rest = np.where(np.isfinite(full), full - capped, 0.0) + shift
-    added = y + rest if order in ("q", "k", "fused") else r(y + r(rest))
+    added = y + rest if order in ("q", "k", "split", "fused") else r(y + r(rest))
     x = np.where(np.isfinite(full), np.where(rest != 0, added, y), full)
-    if order in ("q", "k"):                    # attention_ref adds a float32 bias
+    if order in ("q", "k", "split"):           # attention_ref adds a float32 bias
         x = np.where(rest != 0, x.astype(np.float32), x)
     allowed = (np.ones(x.shape, dtype=bool) if allowed is None
                else np.broadcast_to(np.asarray(allowed), x.shape))
     return dict(x=x, allowed=allowed, slope=slope, q=qs, k=ks, v=v, ungroup=ungroup,
-                scale=1.0 if order in ("q", "k") else scale, order=order,
+                scale=1.0 if order in ("q", "k", "split") else scale, order=order,
                 shift=shifts[-1] if shifts else None)
 
 
@@ -289,6 +300,89 @@ def _half_forward(problem, half, order: str):
         f["lse"] = np.where(seen, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
     f["p"] = p
     return f
+
+
+#: Elements of the products a sequential sum holds at once (rows are taken in blocks).
+SEQUENTIAL_BLOCK = 2 ** 22
+
+
+def _sequential(problem, work, *, lse=False, half=None):
+    """Exact attention with the softmax's row sum and every ``P V`` sum accumulated key by
+    key in float32 (``np.cumsum`` adds left to right), as a plain loop or a kernel without
+    pairwise or blocked reduction does: its error grows with the number of keys where a
+    BLAS product's partial sums keep it small.  (A float64 result: the textbook form.)"""
+    if work != "float32":
+        return _textbook(problem, work, lse=lse)
+    f = _half_logits(problem, "float32", "fused")
+    xs = np.where(f["allowed"], f["x"], -np.inf).astype(np.float32)
+    m = np.max(xs, axis=-1, keepdims=True, initial=-np.inf)
+    seen = np.isfinite(m)
+    e = np.exp(xs - np.where(seen, m, 0.0).astype(np.float32))
+    l = np.cumsum(e, axis=-1, dtype=np.float32)[..., -1:]
+    p = np.where(seen, e / np.where(l > 0, l, 1), 0.0).astype(np.float32)
+    v = np.broadcast_to(f["v"], p.shape[:-2] + f["v"].shape[-2:])
+    n, s, dv = p.shape[-2], p.shape[-1], v.shape[-1]
+    step = max(1, SEQUENTIAL_BLOCK // max(1, s * dv * int(np.prod(p.shape[:-2]))))
+    out = np.concatenate([np.cumsum(p[..., i:i + step, :, None] * v[..., None, :, :],
+                                    axis=-2, dtype=np.float32)[..., -1, :]
+                          for i in range(0, n, step)] or [np.zeros(p.shape[:-1] + (dv,))],
+                         axis=-2)
+    with np.errstate(divide="ignore"):
+        l_out = np.where(seen, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
+    out, l_out = _ungroup(f, out.astype(np.float64), l_out.astype(np.float64))
+    if problem.rows is not None:
+        out, l_out = out[..., problem.rows, :], l_out[..., problem.rows]
+    if not lse:
+        return out
+    return (_with_shift(l_out, problem, True) if f["shift"] is None
+            else _lse_as_port(l_out, problem, f["shift"]))
+
+
+#: The rounding of each logit a plain evaluation forms, in units of the working
+#: precision's epsilon: the scale applied to q, to k or to both (rounded), the dot product,
+#: the result (torch SDPA's math path rounds q sqrt(scale) and k sqrt(scale)).
+LOGIT_ROUNDINGS = 2.0
+
+
+def logit_rounding_rms(problem, eps: float, *, lse: bool = False):
+    r"""The output's (or lse's) error from rounding every logit a plain evaluation forms,
+    by its standard deviation: with independent roundings :math:`\delta x_{ij}` of size
+    :math:`c\,\epsilon\,|x_{ij} + \mathrm{shift}_i|`, to first order :math:`\delta o_{ic} =
+    \sum_j P_{ij}\,\delta x_{ij}\,(v_{jc} - o_{ic})` and :math:`\delta L_i = \sum_j P_{ij}
+    \delta x_{ij}`, whose standard deviations are
+    :math:`igl(\sum_j P_{ij}^2 c^2\epsilon^2 |x_{ij}|^2 (v_{jc} - o_{ic})^2igr)^{1/2}` and
+    the same without the value term.  Deterministic (no sampled perturbation to be lucky
+    with): where a row's error rests on two or three large logits (far below zero, few
+    keys) one sampled rounding pattern may sit far below the kernel's.  Exact attention
+    only (``None`` otherwise)."""
+    if not _exact_host(problem):
+        return None
+    f = _half_logits(problem, "float64", "fused")
+    x = np.where(f["allowed"], f["x"], -np.inf)
+    m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
+    seen = np.isfinite(m)
+    e = np.exp(x - np.where(seen, m, 0.0))
+    p = np.where(seen, e / np.where(seen, e.sum(axis=-1, keepdims=True), 1.0), 0.0)
+    size = LOGIT_ROUNDINGS * eps * np.where(np.isfinite(x), np.abs(x), 0.0)
+    w = (p * size) ** 2                                        # (..., n, s)
+    if lse:
+        res = np.sqrt(w.sum(axis=-1))
+        return _ungroup(f, np.zeros(res.shape + (1,)), res)[1][..., problem.rows or
+                                                               slice(None)]
+    v = np.broadcast_to(f["v"].astype(np.float64), p.shape[:-2] + f["v"].shape[-2:])
+    o = p @ v
+    n, s_, dv = p.shape[-2], p.shape[-1], v.shape[-1]
+    step = max(1, SEQUENTIAL_BLOCK // max(1, s_ * dv * int(np.prod(p.shape[:-2]))))
+    out = np.concatenate([np.sqrt(np.einsum("...is,...isc->...ic", w[..., i:i + step, :], (
+        v[..., None, :, :] - o[..., i:i + step, None, :]) ** 2))
+        for i in range(0, n, step)] or [np.zeros(p.shape[:-1] + (dv,))], axis=-2)
+    out = _ungroup(f, out, np.zeros(out.shape[:-1]))[0]
+    return out if problem.rows is None else out[..., problem.rows, :]
+
+
+def _exact_float32(problem) -> bool:
+    return _exact_host(problem) and all(np.asarray(x).dtype.kind == "f"
+                                        for x in (problem.q, problem.k, problem.v))
 
 
 def _ungroup(f, out, lse):
@@ -354,6 +448,8 @@ def _all_half_grads(order: str):
             dq = r(dq * scale)
         elif order == "k":
             dk = r(dk * scale)
+        elif order == "split":
+            dq, dk = r(dq * scale ** 0.5), r(dk * scale ** 0.5)
         elif order in ("after", "fused"):
             dq, dk = r(dq * scale), r(dk * scale)
         if order == "fused":
@@ -374,10 +470,14 @@ OUTPUT_FORMS = (
          "unit roundoff", False, _always, _textbook),
     Form("scale first", "the scale folded into q before the product (attention_ref)",
          False, _exact, _scale_first),
+    Form("scale split", "the scale's square root on q and on k (torch SDPA's math path)",
+         False, _exact, _scale_split),
     Form("logits as formed", "the logits larger by the convention's per-row constant "
          "(causal ALiBi as slope (j - s + 1))", False, _has_shift, _library_bias),
     Form("online softmax", f"FlashAttention's online softmax in tiles of {ONLINE_BLOCK}",
          False, _exact, _online),
+    Form("sequential sums", "the softmax's sum and P V accumulated key by key in float32 "
+         "(a plain loop)", False, _exact_float32, _sequential),
     Form("recurrent", "the gated recurrence, one token at a time", False, _gated,
          _method("recurrent")),
     Form("upcast", "inputs in the half dtype, computed in float32, rounded once "
@@ -388,6 +488,8 @@ OUTPUT_FORMS = (
          "into q first (attention_ref(upcast=False))", True, _exact_host, _all_half("q")),
     Form("half, scale on k", "the scale folded into k first (attention_ref(upcast=False, "
          "reorder_ops=True))", True, _exact_host, _all_half("k")),
+    Form("half, scale split", "the scale's square root on q and on k, in the half dtype "
+         "(torch SDPA's math path)", True, _exact_host, _all_half("split")),
     Form("half, scores then scale", "matmul(q, k^T) rounded, then times the scale "
          "(Hugging Face's eager attention)", True, _exact_host, _all_half("hf")),
 )
@@ -446,6 +548,15 @@ def _grad_scale_first(vjp, args, options, work, how, problem):
     return dict(res, q=res["q"] * scale)
 
 
+def _grad_scale_split(vjp, args, options, work, how, problem):
+    scale = float(options["scale"]) if options.get("scale") is not None else \
+        args["q"].shape[-1] ** -0.5
+    root = scale ** 0.5
+    res = vjp(dict(args, q=args["q"] * root, k=args["k"] * root), dict(options, scale=1.0),
+              work, None)
+    return dict(res, q=res["q"] * root, k=res["k"] * root)
+
+
 def _grad_online(vjp, args, options, work, how, problem):
     return vjp(args, dict(options, block_size=ONLINE_BLOCK), work, None)
 
@@ -492,6 +603,8 @@ GRAD_FORMS = (
     Form("textbook", "the reference backward in the working precision, inputs perturbed",
          False, _always, _grad_textbook),
     Form("scale first", "the scale folded into q first", False, _exact, _grad_scale_first),
+    Form("scale split", "the scale's square root on q and on k", False, _exact,
+         _grad_scale_split),
     Form("logits as formed", "the logits larger by the convention's per-row constant",
          False, lambda p: _has_shift(p) and p.rows is None, _grad_library_bias),
     Form("online softmax", "FlashAttention-2's blockwise backward", False, _exact,
@@ -509,6 +622,8 @@ GRAD_FORMS = (
     Form("fused, stored output", "a fused kernel's float32 backward, D from the output "
          "stored in the half dtype (FlashAttention-2)", True, _exact_host,
          _all_half_grads("fused")),
+    Form("half, scale split", "autograd through torch SDPA's math path in half", True,
+         _exact_host, _all_half_grads("split")),
     Form("half, scores then scale", "autograd through Hugging Face's eager attention",
          True, _exact_host, _all_half_grads("hf")),
 )

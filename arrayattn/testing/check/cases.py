@@ -137,6 +137,15 @@ def catalogue(conv, dtypes, grads: bool, skip=()) -> list:
     return unique
 
 
+def value_classes(conv, skip=()) -> tuple:
+    """The value classes the search draws for ``conv``: its own (``conv.values``), less
+    those named in ``skip`` (``"values"`` skips them all)."""
+    values = getattr(conv, "values", ("normal",))
+    if "values" in skip:
+        return values[:1]
+    return tuple(v for v in values if v == values[0] or v not in skip)
+
+
 def reach_catalogue(conv, dtypes, grads: bool, skip=()) -> list:
     """The small cases of the value classes and the poison, after :func:`catalogue`: each
     value class of the convention alone (``overflow`` in the half precisions), with the
@@ -145,7 +154,7 @@ def reach_catalogue(conv, dtypes, grads: bool, skip=()) -> list:
     base = Case(n=16, s=16 if conv.equal_lengths else 24)
     cases = []
     half = [dt for dt in dtypes if dt in HALF]
-    for v in getattr(conv, "values", ("normal",))[1:]:
+    for v in value_classes(conv, skip)[1:]:
         if v == "overflow":
             cases += [replace(base, values=v, dtype=dt) for dt in half]
             continue
@@ -285,7 +294,7 @@ def case_strategy(conv, dtypes, grads: bool, skip=(), max_size: int = 2 ** 24):
                     magnitude=draw(st.sampled_from(MAGNITUDES)))
         # the reach (drawn after the dimensions above, so that their draws stay as before):
         # one draw in four a value class, one in eight poison, one in sixteen large sizes
-        values = getattr(conv, "values", ("normal",))
+        values = value_classes(conv, skip)
         if len(values) > 1 and draw(st.integers(0, 3)) == 3:
             case = replace(case, values=draw(st.sampled_from(values[1:])))
         if conv.poison_regions(conv.normalize(case.with_options(**opts))) and \

@@ -75,6 +75,9 @@ class Search:
     max_size: int = 2 ** 24
     _large: list | None = None
     _large_time: float = 0.0
+    #: seconds per element of a large case (the largest seen; at first what a decode
+    #: shape's judge took here, 2026-11-29): a case predicted past the budget is skipped
+    _rate: float = 3e-7
     _found_large: Case | None = None
 
     # -- one case -----------------------------------------------------------------
@@ -224,9 +227,14 @@ class Search:
                                           max_size=self.max_size) if self.max_size else []
         while self._large and self._large_time < LARGE_SHARE * (time.monotonic() - since):
             case = self._large.pop(0)
+            left = self.started + self.budget - time.monotonic()
+            if case.elements() * self._rate > left:   # would overrun the budget: not run
+                continue
             t0 = time.monotonic()
             failed = self.fails(case)
-            self._large_time += time.monotonic() - t0
+            spent = time.monotonic() - t0
+            self._large_time += spent
+            self._rate = max(self._rate, spent / max(case.elements(), 1))
             if failed:
                 self._found_large = case
         if self._found_large is not None:      # every replay of Hypothesis raises it again

@@ -103,6 +103,8 @@ def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=N
     if bug == "scale_twice":
         scale = scale * scale
     keep, bias = _xformers_bias(attn_bias, q.shape[-2], k.shape[-2], bug)
+    if bias is not None and bias.ndim == 5:       # a grouped (B, G, H, M, N) tensor bias
+        bias = bias.reshape(bias.shape[0], -1, *bias.shape[-2:])
     out = _attend(q, k, v, scale, keep, bias)[0].transpose(1, 2)
     if grouped:
         out = out.reshape(*out.shape[:2], g, h, out.shape[-1])

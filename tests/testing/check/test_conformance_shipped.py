@@ -71,7 +71,12 @@ KERNELS = list(_kernels())
 def test_shipped_forms_are_never_flagged(conv, name, make, seed):
     kernel = make()
     dtypes = ("float32", "float16") if conv.startswith("jax") else None
-    res = check_kernel(kernel, conv, budget=BUDGET, seed=seed, dtypes=dtypes, explain=False)
+    # Hugging Face's eager attention forms matmul(q, k^T) in the half dtype before the
+    # scale: past 65504 it is inf, as the overflow class is built to show (a real
+    # limit of that form, not a rounding: tests/testing/check/test_reach.py finds it)
+    skip = ("overflow",) if name == "hf_eager" else ()
+    res = check_kernel(kernel, conv, budget=BUDGET, seed=seed, dtypes=dtypes, explain=False,
+                       skip=skip)
     assert res.ok, res.summary()
 
 

@@ -157,7 +157,9 @@ def test_shape_only_not_implemented_marks_the_shape_and_the_search_goes_on():
     assert res.ok and res.unsupported == ["dv != d"], res.summary()
     assert "unsupported (NotImplementedError): dv != d" in res.summary()
     res = check_kernel(some_dims, "sdpa", **FAST)
-    assert res.ok and set(res.unsupported) == {"d=8", "d=64"}, res.summary()
+    # every head dim the search reaches but 16 and 32 (the reach adds 40 ... 256)
+    assert res.ok and {"d=8", "d=64"} <= set(res.unsupported), res.summary()
+    assert not {"d=16", "d=32"} & set(res.unsupported)
     assert res.cases > 30
 
 
