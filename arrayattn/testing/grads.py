@@ -15,7 +15,8 @@ from . import plain, rounding
 from .rounding import (JITTER_DRAWS, JITTER_SCALE, key_group, logit_rounding, logit_scale,
                        sensitivity)
 
-__all__ = ["compare_grads", "assert_grads_match", "round_to", "GradComparison", "RULES"]
+__all__ = ["compare_grads", "assert_grads_match", "round_to", "GradComparison", "RULES",
+           "reference_vjp", "host_problem"]
 
 class GradComparison:
     """Per-argument :class:`~arrayattn.testing.Comparison` of gradients (``.items``, a dict
@@ -130,9 +131,9 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     # the same-dtype rule is asked for (the anchors' own gradient rules are 2x to 10x)
     strict = rule == "same-dtype"
     dtypes, rule, half = _dtypes_and_rule(grads, rule, (q, k, v, do))
-    rec, args, options, theirs, how = _host_problem(grads, variant, q, k, v, do, params,
+    rec, args, options, theirs, how = host_problem(grads, variant, q, k, v, do, params,
                                                     layout, profile)
-    ref = _vjp(rec, args, options, "float64", how=how)
+    ref = reference_vjp(rec, args, options, "float64", how=how)
     _check_shapes(rec.name, theirs, ref)
     errors = {name: head_errors(error_of(g, ref[name], dtype_name(grads[name])), ref[name])
               for name, g in theirs.items()}
@@ -175,7 +176,7 @@ def _dtypes_and_rule(grads: dict, rule, inputs) -> tuple[set, str, str | None]:
     return dtypes, rule, half
 
 
-def _host_problem(grads, variant, q, k, v, do, params, layout, profile):
+def host_problem(grads, variant, q, k, v, do, params, layout, profile):
     """``(record, q k v do, options, the gradients, how)`` as host arrays in arrayattn's
     layout and option names (a profile's mapping applied); ``how`` holds ``groups``, the
     query heads per key/value head that the profile repeated (1: none), and the profile's
@@ -204,7 +205,7 @@ def _host_problem(grads, variant, q, k, v, do, params, layout, profile):
              "shift": problem.lse_shift if problem.name == "softmax" else None})
 
 
-def _vjp(rec, args: dict, options: dict, dtype: str, nudge=None, *, how=None,
+def reference_vjp(rec, args: dict, options: dict, dtype: str, nudge=None, *, how=None,
          options_too: bool = True) -> dict:
     """:func:`arrayattn.vjp` by the reference form in ``dtype`` (floating arrays perturbed by
     ``nudge`` first), as host float64 arrays; the gradients of key/value heads a profile
@@ -252,12 +253,12 @@ def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str, half, ref:
     rounding (:func:`~arrayattn.testing.rounding.sensitivity`), kept where larger.  Rows
     whose softmax gradient cancels get :func:`_cancellation_floor` in both."""
     def backward(a, o, dtype, nudge):
-        return _vjp(rec, a, o, dtype, nudge, how=how, options_too=False)
+        return reference_vjp(rec, a, o, dtype, nudge, how=how, options_too=False)
 
     problem = how.get("problem")
     start = {}
     if rule == "same-dtype":
-        own = _vjp(rec, args, options, "float32", lambda x: round_to(x, half), how=how,
+        own = reference_vjp(rec, args, options, "float32", lambda x: round_to(x, half), how=how,
                    options_too=False)
         for name, g in own.items():
             if name in ref:
@@ -295,7 +296,7 @@ def _baseline(rec, args: dict, options: dict, dtypes: set, rule: str, half, ref:
         perturbed = dict(args, do=row(args["do"], j.rng)) if row is not None else args
         opts = options if rec.family != "exact" else logit_rounding(
             options, args["q"], args["k"], j, how.get("shift"))
-        return _vjp(rec, perturbed, opts, "float64", j, how=how)
+        return reference_vjp(rec, perturbed, opts, "float64", j, how=how)
 
     jitter = sensitivity(jittered, ref, eps, scale=jitter_scale(rule))
     stored = _stored_output_rounding(rec, args, options, how, eps * jitter_scale(rule) / 2,

@@ -10,7 +10,7 @@ from .records import Prepared, Profile, repeat_kv_heads, take_options
 
 __all__ = ["SDPA", "FLASH_ATTN", "FLEX_ATTENTION", "prepare_sdpa", "prepare_flash_attn",
            "prepare_flex_attention", "window_pair", "flash_alibi_lse_shift", "FLASH_OPTIONS",
-           "packed_alibi_bias"]
+           "packed_alibi_bias", "flash_alibi_ref_shift"]
 
 
 def prepare_sdpa(q, k, v, params) -> Prepared:

@@ -45,6 +45,10 @@ import tempfile
 
 import pytest
 
+__all__ = ["pytest_addoption", "pytest_configure", "pytest_collection_modifyitems",
+           "pytest_pyfunc_call", "check_attention", "run_check", "pytest_terminal_summary",
+           "MARKER", "INI_BUDGET", "DEFAULT_BUDGET"]
+
 MARKER = "attention_kernel"
 INI_BUDGET = "attention_check_budget"
 DEFAULT_BUDGET = 10.0

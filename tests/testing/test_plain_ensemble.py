@@ -53,9 +53,9 @@ def test_half_forms_are_attention_ref_upcast_false(reorder):
     out, grads = _torch_attention_ref(q, k, v, do, causal=True, reorder_ops=reorder)
     problem = prepare("softmax", q, k, v, params={"causal": True})
     order = "k" if reorder else "q"
-    mine = plain._all_half(order)(problem, "float32", half="float16")
+    mine = plain.half.all_half(order)(problem, "float32", half="float16")
     np.testing.assert_allclose(mine, out, rtol=0, atol=2 ** -10)
-    g = plain._all_half_grads(order)(problem, do, "float16")
+    g = plain.half.all_half_grads(order)(problem, do, "float16")
     for name in "qkv":
         scale = np.abs(grads[name]).max()
         np.testing.assert_allclose(g[name], grads[name], rtol=0, atol=2 ** -9 * scale)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .conventions import get_convention
 from .search import Outcome, Search, default_dtypes, require_hypothesis
 
-__all__ = ["check_kernel", "assert_kernel_conforms", "KernelCheck"]
+__all__ = ["check_kernel", "assert_kernel_conforms", "KernelCheck", "rerun_line"]
 
 
 @dataclass

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 __all__ = ["Case", "catalogue", "reach_catalogue", "large_catalogue", "case_strategy",
-           "MAGNITUDES", "HALF", "smaller", "VALUES", "POISONS", "DIMS", "cost", "fit"]
+           "MAGNITUDES", "HALF", "smaller", "VALUES", "POISONS", "DIMS", "cost", "fit",
+           "value_classes", "forward_only"]
 
 #: Scales of q and k: the logits grow like their square (100: past float16's exp range at
 #: once, 30: past float32's without a max shift).

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 __all__ = ["Kernel", "Unavailable", "KERNELS", "run_kernel", "conformance", "table", "notes",
-           "add_parser", "run_conformance"]
+           "add_parser", "run_conformance", "Row"]
 
 
 class Unavailable(Exception):

@@ -13,7 +13,7 @@ from ..measures import host64
 from .conventions.base import host
 
 __all__ = ["repro_arrays", "write_repro", "validate_command", "judged_as", "META",
-           "repro_meta", "input_arrays"]
+           "repro_meta", "input_arrays", "option_text"]
 
 #: The name of the repro file's metadata: a 0-d string array holding JSON (``format``,
 #: ``convention``, ``case``, ``variant``, ``profile``, ``layout``, ``options`` as
@@ -164,7 +164,7 @@ def write_repro(path: str, conv, fn, case, *, outcome=None, flaky: bool = False)
     kernel runs again on ``case``.  When the kernel raised (then, or again now) the file
     holds its inputs, options and the error text (``validate`` exits 1 on it), nothing
     is re-raised; so does a result the referee could not judge (a wrong shape ...)."""
-    from .search import _raised
+    from .search import raised
 
     call, results, grads, error = None, None, None, None
     if outcome is not None:
@@ -177,7 +177,7 @@ def write_repro(path: str, conv, fn, case, *, outcome=None, flaky: bool = False)
         try:
             results, grads = conv.run(fn, call, case, bool(case.opts.get("backward")))
         except Exception as exc:
-            error = _raised("the kernel", exc)
+            error = raised("the kernel", exc)
     arrays = None
     if results is not None and error is None:
         from .sampling import repro_rows
@@ -194,7 +194,7 @@ def write_repro(path: str, conv, fn, case, *, outcome=None, flaky: bool = False)
         try:
             arrays, flags = repro_arrays(conv, call, case, results, grads or {})
         except Exception as exc:  # a result the referee cannot read (a wrong shape ...)
-            error = _raised("writing its result", exc)
+            error = raised("writing its result", exc)
     if arrays is None:
         arrays, flags = input_arrays(call, case)
     arrays[META] = np.asarray(json.dumps(repro_meta(conv, case, flags, error=error,

@@ -24,7 +24,7 @@ from .. import outputs as _outputs
 from ..problem import prepare
 
 __all__ = ["SAMPLE_ABOVE", "sample_rows", "sampled_rows", "row_problem", "judge_rows",
-           "RANDOM_ROWS", "judge_case"]
+           "RANDOM_ROWS", "judge_case", "repro_rows"]
 
 #: Logits (``b h n s``) above which a forward case is judged on sampled rows.
 SAMPLE_ABOVE = 2 ** 22

@@ -16,7 +16,7 @@ from .sampling import judge_case
 from .unsupported import Unsupported, isolate_unsupported
 
 __all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes",
-           "Unsupported"]
+           "Unsupported", "raised"]
 
 #: Failing outcomes kept with their arrays (for the repro file): the smallest cases.
 KEEP_FAILURES = 32
@@ -92,12 +92,12 @@ class Search:
         except NotImplementedError:
             return Outcome(case, None, time.perf_counter() - t0, call)
         except Exception as exc:  # a kernel that raises on a valid case is a finding
-            return Outcome(case, Verdict(error=_raised("the kernel", exc)),
+            return Outcome(case, Verdict(error=raised("the kernel", exc)),
                            time.perf_counter() - t0, call)
         try:
             verdict = judge_case(case, call, self.conv, results, grads)
         except Exception as exc:  # a result of the wrong shape, a missing state ...
-            verdict = Verdict(error=_raised("judging its result", exc))
+            verdict = Verdict(error=raised("judging its result", exc))
         return Outcome(case, verdict, time.perf_counter() - t0, call, results, grads)
 
     def excluded(self, case: Case) -> bool:
@@ -362,7 +362,7 @@ def _label(what) -> str:
     return what if isinstance(what, str) else f"{what[0]}={what[1]}"
 
 
-def _raised(where: str, exc: BaseException) -> str:
+def raised(where: str, exc: BaseException) -> str:
     frame = traceback.extract_tb(exc.__traceback__)[-1:] or [None]
     at = f" (at {frame[0].filename}:{frame[0].lineno})" if frame[0] else ""
     return f"{where} raised {type(exc).__name__}: {exc}{at}"
