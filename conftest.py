@@ -18,7 +18,8 @@ if importlib.util.find_spec("torch") is None:
     # (its tests skip without torch, but --doctest-modules would import it)
     collect_ignore += ["arrayattn/testing/check/api.py", "tests/testing/check/zoo.py",
                        "tests/testing/check/shipped.py",
-                       "tests/testing/check/kernels_shipped.py"]
+                       "tests/testing/check/kernels_shipped.py",
+                       "tests/testing/check/zoo_sizes.py"]
 
 #: Skip reasons that come from the environment, not from the test's design.
 ENVIRONMENT = re.compile(r"unavailable|not installed|no module named|GPU|git checkout|"
