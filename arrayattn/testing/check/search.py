@@ -75,8 +75,8 @@ class Search:
     max_size: int = 2 ** 24
     _large: list | None = None
     _large_time: float = 0.0
-    #: seconds per element of a large case (the largest seen; at first what a decode
-    #: shape's judge took here, 2026-11-29): a case predicted past the budget is skipped
+    #: seconds per element of a large case (what a decode shape's run and judge took on
+    #: the 2-core test machine, 2026-11-29): a case predicted past the budget is not run
     _rate: float = 3e-7
     _found_large: Case | None = None
 
@@ -232,9 +232,7 @@ class Search:
                 continue
             t0 = time.monotonic()
             failed = self.fails(case)
-            spent = time.monotonic() - t0
-            self._large_time += spent
-            self._rate = max(self._rate, spent / max(case.elements(), 1))
+            self._large_time += time.monotonic() - t0
             if failed:
                 self._found_large = case
         if self._found_large is not None:      # every replay of Hypothesis raises it again
