@@ -16,7 +16,8 @@ collect_ignore = [] if importlib.util.find_spec("jax") else ["arrayattn/distribu
 if importlib.util.find_spec("torch") is None:
     # the checker's example runs torch's SDPA; the zoo of broken kernels is written in torch
     # (its tests skip without torch, but --doctest-modules would import it)
-    collect_ignore += ["arrayattn/testing/check/api.py", "tests/testing/check/zoo.py",
+    collect_ignore += ["arrayattn/testing/check/api.py", "arrayattn/testing/strategies.py",
+                       "tests/testing/check/zoo.py",
                        "tests/testing/check/shipped.py",
                        "tests/testing/check/kernels_shipped.py",
                        "tests/testing/check/zoo_sizes.py"]
