@@ -271,6 +271,13 @@ def _option(text: str) -> str:
     return f"{value[0]}={value[1]}" if isinstance(value, tuple) and len(value) == 2 else text
 
 
+def _short(error: str, limit: int = 240) -> str:
+    """A kernel's error as a table cell: its first line, at most ``limit`` characters (a
+    compiler's whole log stays in the repro file)."""
+    first = error.split("  Command:")[0].splitlines()[0] if error else ""
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
 def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -295,7 +302,7 @@ def table(rows, *, relative_to: str | None = None) -> str:
         finding = ""
         if not r.ok:
             f = r.failure
-            what = f.verdict.error or "; ".join(
+            what = _short(f.verdict.error) if f.verdict.error else "; ".join(
                 f"{label} at {ratio(c):.3g}x its tolerance" for label, c in f.verdict.failing())
             finding = f"{f.case.describe()}: {what}"
             if row.repro:

@@ -17,17 +17,26 @@ evaluates the output (``out``, ``lse``) or the gradients.  Two ensembles:
 * **working** (the ``float64`` rule, float32 or float64 results): the reference form in
   the working precision on inputs perturbed by one unit roundoff (the textbook order);
   for exact attention also the scale folded into ``q`` first (FlashAttention's
-  ``attention_ref``), FlashAttention's online softmax in tiles of 16, and the logits
-  formed larger by a per-row constant as a convention forms them (FlashAttention's
-  causal ALiBi ``slope (j - s + 1)``: :attr:`Problem.lse_shift`); for the gated family
-  the recurrence beside the reference's chunk form, and the gate gradient as fla's chunk
-  kernels form it, a reverse cumulative sum of :math:`q \odot dq - k \odot dk`.
+  ``attention_ref``), its square root on ``q`` and on ``k`` (torch SDPA's math path), the
+  logits larger by the per-row constant a convention forms them with (the kernel's causal
+  ALiBi ``+slope j``, ``attention_ref``'s ``slope (j - s + 1)``:
+  :attr:`Problem.lse_shift`, :attr:`Problem.form_shifts`), FlashAttention's online
+  softmax in tiles of 16, and the sums accumulated key by key in float32 (a plain loop);
+  for the gated family the recurrence beside the reference's chunk form, and the gate
+  gradient as fla's chunk kernels form it, a reverse cumulative sum of :math:`q \odot dq -
+  k \odot dk`.  The referee adds the logits' rounding by its standard deviation
+  (:func:`logit_rounding_rms`) and the response to rounding where they are larger.
 * **half** (the ``same-dtype`` rule, float16/bfloat16): inputs in the half dtype computed
   in float32 and rounded once (``attention_ref(upcast=True)``, a fused kernel); for exact
   attention also every intermediate rounded to the half dtype -- scores, probabilities
-  (softmax computed in float32 between half matmuls, Hugging Face's eager attention),
-  output, and in the backward ``dP``, ``dS`` and each gradient -- with the scale applied
-  after the product or folded into ``q`` first (``attention_ref(upcast=False)``).
+  (softmax computed in float32 between half matmuls), output, and in the backward ``dP``,
+  ``dS`` and each gradient -- with the scale after the product, folded into ``q``
+  (``attention_ref(upcast=False)``) or ``k`` (its ``reorder_ops``), split between them
+  (SDPA's math path), or after a rounded product (Hugging Face's eager attention); and a
+  fused float32 backward with ``D = rowsum(dO O)`` from the output stored in half.
+
+Members run in order and stop as soon as every head is covered (more can only raise the
+baseline).
 
 :func:`output_baseline` and :func:`grad_baseline` return the elementwise worst error of
 the ensemble against the float64 reference.
