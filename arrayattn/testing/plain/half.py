@@ -13,8 +13,8 @@ from .problems import exact_host, lse_as_port, logit_scale_of, shifts, with_shif
 from .working import textbook
 
 __all__ = ["LOGIT_ROUNDINGS", "ORDERS", "SEQUENTIAL_BLOCK", "all_half", "all_half_grads",
-           "half_forward", "half_logits", "logit_rounding_rms", "sequential", "sum_to",
-           "ungroup", "upcast"]
+           "as_port", "port_rows", "half_forward", "half_logits", "logit_rounding_rms",
+           "sequential", "sum_to", "ungroup", "upcast"]
 
 # -- half-precision forms (the same-dtype rule) ------------------------------------------
 
@@ -167,13 +167,7 @@ def sequential(problem, work, *, lse=False, half=None):
                          axis=-2)
     with np.errstate(divide="ignore"):
         l_out = np.where(seen, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
-    out, l_out = ungroup(f, out.astype(np.float64), l_out.astype(np.float64))
-    if problem.rows is not None:
-        out, l_out = out[..., problem.rows, :], l_out[..., problem.rows]
-    if not lse:
-        return out
-    return (with_shift(l_out, problem, True) if f["shift"] is None
-            else lse_as_port(l_out, problem, f["shift"]))
+    return as_port(problem, f, out, l_out, lse)
 
 
 #: The rounding of each logit a plain evaluation forms, in units of the working
@@ -188,11 +182,11 @@ def logit_rounding_rms(problem, eps: float, *, lse: bool = False):
     :math:`c\,\epsilon\,|x_{ij} + \mathrm{shift}_i|`, to first order :math:`\delta o_{ic} =
     \sum_j P_{ij}\,\delta x_{ij}\,(v_{jc} - o_{ic})` and :math:`\delta L_i = \sum_j P_{ij}
     \delta x_{ij}`, whose standard deviations are
-    :math:`igl(\sum_j P_{ij}^2 c^2\epsilon^2 |x_{ij}|^2 (v_{jc} - o_{ic})^2igr)^{1/2}` and
-    the same without the value term.  Deterministic (no sampled perturbation to be lucky
-    with): where a row's error rests on two or three large logits (far below zero, few
-    keys) one sampled rounding pattern may sit far below the kernel's.  Exact attention
-    only (``None`` otherwise)."""
+    :math:`\bigl(\sum_j w_{ij} (v_{jc} - o_{ic})^2\bigr)^{1/2}`, :math:`w_{ij} = P_{ij}^2
+    c^2\epsilon^2 |x_{ij}|^2`, and :math:`(\sum_j w_{ij})^{1/2}`.  Deterministic (no
+    sampled perturbation to be lucky with): where a row's error rests on two or three
+    large logits (far below zero, few keys) one sampled rounding pattern may sit far below
+    the kernel's.  Exact attention only (``None`` otherwise)."""
     if not exact_host(problem):
         return None
     f = half_logits(problem, "float64", "fused")
@@ -203,19 +197,35 @@ def logit_rounding_rms(problem, eps: float, *, lse: bool = False):
     p = np.where(seen, e / np.where(seen, e.sum(axis=-1, keepdims=True), 1.0), 0.0)
     size = LOGIT_ROUNDINGS * eps * np.where(np.isfinite(x), np.abs(x), 0.0)
     w = (p * size) ** 2                                        # (..., n, s)
+    total = w.sum(axis=-1, keepdims=True)
     if lse:
-        res = np.sqrt(w.sum(axis=-1))
-        return ungroup(f, np.zeros(res.shape + (1,)), res)[1][..., problem.rows or
-                                                               slice(None)]
-    v = np.broadcast_to(f["v"].astype(np.float64), p.shape[:-2] + f["v"].shape[-2:])
+        return port_rows(problem, f, np.zeros(total.shape), np.sqrt(total[..., 0]))[1]
+    v = f["v"].astype(np.float64)
     o = p @ v
-    n, s_, dv = p.shape[-2], p.shape[-1], v.shape[-1]
-    step = max(1, SEQUENTIAL_BLOCK // max(1, s_ * dv * int(np.prod(p.shape[:-2]))))
-    out = np.concatenate([np.sqrt(np.einsum("...is,...isc->...ic", w[..., i:i + step, :], (
-        v[..., None, :, :] - o[..., i:i + step, None, :]) ** 2))
-        for i in range(0, n, step)] or [np.zeros(p.shape[:-1] + (dv,))], axis=-2)
-    out = ungroup(f, out, np.zeros(out.shape[:-1]))[0]
-    return out if problem.rows is None else out[..., problem.rows, :]
+    # sum_j w_ij (v_jc - o_ic)^2, expanded into products (rounding below the estimate's
+    # own precision can make it slightly negative where every v_j is o_i: 0 there)
+    var = w @ (v * v) - 2.0 * o * (w @ v) + o * o * total
+    return port_rows(problem, f, np.sqrt(np.maximum(var, 0.0)), np.zeros(o.shape[:-1]))[0]
+
+
+def port_rows(problem, f, out, l_out) -> tuple:
+    """``(out, per-row values)`` of an evaluation from :func:`half_logits`'s ``f`` in the
+    port's layout: heads ungrouped, the profile's rows taken."""
+    out, l_out = ungroup(f, np.asarray(out, dtype=np.float64),
+                         np.asarray(l_out, dtype=np.float64))
+    if problem.rows is not None:
+        out, l_out = out[..., problem.rows, :], l_out[..., problem.rows]
+    return out, l_out
+
+
+def as_port(problem, f, out, l_out, lse: bool):
+    """The output (or, with ``lse``, the log-sum-exp) as the port reports it
+    (:func:`port_rows`), the lse of the logits as formed with the port's own shift."""
+    out, l_out = port_rows(problem, f, out, l_out)
+    if not lse:
+        return out
+    return (with_shift(l_out, problem, True) if f["shift"] is None
+            else lse_as_port(l_out, problem, f["shift"]))
 
 
 def ungroup(f, out, lse):
@@ -237,14 +247,7 @@ def sum_to(g, shape: tuple):
 def all_half(order: str):
     def evaluate(problem, work, *, lse=False, half=None):
         f = half_forward(problem, half, order)
-        out, l = ungroup(f, f["out"], f["lse"])
-        if problem.rows is not None:
-            out, l = out[..., problem.rows, :], l[..., problem.rows]
-        if not lse:
-            return out
-        # the lse of the logits as formed, reported as the port reports its own
-        return (with_shift(l, problem, True) if f["shift"] is None
-                else lse_as_port(l, problem, f["shift"]))
+        return as_port(problem, f, f["out"], f["lse"], lse)
     return evaluate
 
 

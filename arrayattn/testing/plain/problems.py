@@ -8,7 +8,7 @@ import inspect
 import numpy as np
 
 __all__ = ["always", "exact_float32", "exact_host", "gate_name", "has_shift", "is_exact",
-           "is_gated", "logit_scale_of", "lse_as_port", "reference_of", "shifted_logits",
+           "is_gated", "logit_scale_of", "lse_as_port", "shifted_logits",
            "shifts", "with_shift"]
 
 # -- what a problem is -------------------------------------------------------------------
@@ -42,22 +42,6 @@ def always(problem) -> bool:
 def logit_scale_of(problem) -> float:
     scale = problem.options.get("scale")
     return float(scale) if scale is not None else problem.q.shape[-1] ** -0.5
-
-
-def reference_of(problem, q, k, v, options, *, lse: bool):
-    """``problem.reference`` on host arrays (its rows taken), as float64."""
-    from ...core.xp import to_numpy
-    if problem.convert is not None:
-        q, k, v = (problem.convert(x) for x in (q, k, v))
-        options = {key: problem.convert(val) if hasattr(val, "shape") else val
-                   for key, val in options.items()}
-    if lse:
-        options = dict(options, return_lse=True)
-    res = problem.reference(q, k, v, **options)
-    res = np.asarray(to_numpy(res[1] if lse else res), dtype=np.float64)
-    if problem.rows is not None:
-        res = res[..., problem.rows] if lse else res[..., problem.rows, :]
-    return res
 
 
 def with_shift(res, problem, lse: bool):

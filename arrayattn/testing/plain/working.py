@@ -7,9 +7,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..measures import Nudge, cast_floating
-from .problems import (gate_name, lse_as_port, logit_scale_of, reference_of,
-                       shifted_logits, shifts, with_shift)
+from ..measures import Nudge
+from .problems import gate_name, lse_as_port, logit_scale_of, shifted_logits, shifts
 
 #: FlashAttention's tiles are 64-128 rows; 16 makes the online softmax merge several
 #: tiles on the checker's small cases too.
@@ -27,19 +26,15 @@ def textbook(problem, work, *, lse=False, half=None):
 
 
 def scale_first(problem, work, *, lse=False, half=None):
-    q = (problem.q * logit_scale_of(problem)).astype(work)
-    args = cast_floating({"k": problem.k, "v": problem.v}, work)
-    opts = cast_floating(dict(problem.options, scale=1.0), work)
-    return with_shift(reference_of(problem, q, args["k"], args["v"], opts, lse=lse),
-                       problem, lse)
+    scale = logit_scale_of(problem)
+    return replace(problem, q=problem.q * scale,
+                   options=dict(problem.options, scale=1.0)).evaluate(work, lse=lse)
 
 
 def scale_split(problem, work, *, lse=False, half=None):
     root = logit_scale_of(problem) ** 0.5
-    q, k = ((x * root).astype(work) for x in (problem.q, problem.k))
-    opts = cast_floating(dict(problem.options, scale=1.0), work)
-    return with_shift(reference_of(problem, q, k, problem.v.astype(work), opts, lse=lse),
-                       problem, lse)
+    return replace(problem, q=problem.q * root, k=problem.k * root,
+                   options=dict(problem.options, scale=1.0)).evaluate(work, lse=lse)
 
 
 def online(problem, work, *, lse=False, half=None):
@@ -48,12 +43,11 @@ def online(problem, work, *, lse=False, half=None):
 
 
 def library_bias(problem, work, *, lse=False, half=None):
-    args = cast_floating({"q": problem.q, "k": problem.k, "v": problem.v}, work)
     for shift in shifts(problem):
-        opts = cast_floating(shifted_logits(problem, shift), work)
-        res = reference_of(problem, args["q"], args["k"], args["v"], opts, lse=lse)
-        res = lse_as_port(res, problem, shift) if lse else res
-        yield res
+        # the logits larger by the shift; their lse as the port reports its own
+        res = replace(problem, options=shifted_logits(problem, shift),
+                      lse_shift=None).evaluate(work, lse=lse)
+        yield lse_as_port(res, problem, shift) if lse else res
 
 
 def method(method, chunk=None):
