@@ -19,7 +19,8 @@ import zipfile
 __all__ = ["UsageError", "parse_option", "load_npz", "run_validate", "main", "read_meta"]
 
 # the file's options, repro metadata and printed lines (kept importable from here)
-from .testing.validate_io import (MAX_OPTION, META, UsageError, parse_option,  # noqa: E402,F401
+from .testing.validate_io import (MAX_OPTION, META, UsageError, key_columns,  # noqa: E402,F401
+                                  parse_option,
                                   print_output_verdict, print_raised, read_meta,
                                   shown_value, with_meta)
 
@@ -88,12 +89,13 @@ def load_npz(path: str) -> dict:
 
 def _check_arrays(path: str, arrays: dict) -> dict:
     """``arrays`` if they hold q, k, v, out of the right kinds; UsageError otherwise."""
-    missing = [name for name in REQUIRED if name not in arrays]
+    required = REQUIRED[:3] if "do" in arrays else REQUIRED   # gradients alone: no out
+    missing = [name for name in required if name not in arrays]
     if missing:
         raise UsageError(f"{path} lacks array(s) {', '.join(missing)}; it holds "
                          f"{', '.join(sorted(arrays)) or 'nothing'} (required: "
-                         f"{', '.join(REQUIRED)})")
-    for name in REQUIRED:
+                         f"{', '.join(REQUIRED)}; out may be left out beside do)")
+    for name in required:
         a = arrays[name]
         if a.dtype.kind != "f":
             raise UsageError(f"{path}: {name} must be a floating array; got dtype {a.dtype}")
@@ -189,15 +191,18 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
         if meta.get("error") is not None and "out" not in arrays:
             return print_raised(path, meta, arrays, params, variant, profile, out)
         arrays, training, params = _read_problem(path, rec, profile, params, err, arrays)
-        c = _compare(path, rec, arrays, params, rtol, layout, profile)
+        c = _compare(path, rec, arrays, params, rtol, layout, profile) \
+            if "out" in arrays else None
     except (UsageError, ValueError) as exc:  # ValueError: an unknown variant or profile
         print(f"arrayattn validate: error: {exc}", file=err)
         return 2
-    print_output_verdict(path, c, rec, arrays, params, rtol=rtol, layout=layout,
-                          profile=profile, out=out, err=err)
+    if c is not None:
+        print_output_verdict(path, c, rec, arrays, params, rtol=rtol, layout=layout,
+                             profile=profile, out=out, err=err)
     try:
         ok = _judge_training(training, rec, arrays, params, rtol=rtol, layout=layout,
-                             profile=profile, rule=rule, factor=factor, out=out) and c.ok
+                             profile=profile, rule=rule, factor=factor, out=out,
+                             select=key_columns(meta, training)) and (c is None or c.ok)
     except (ValueError, TypeError) as exc:
         print(f"arrayattn validate: error: {path}: {exc}", file=err)
         return 2
@@ -205,7 +210,7 @@ def run_validate(path: str, variant, options=(), *, rtol=None, out=None,
 
 
 def _judge_training(training, rec, arrays, params, *, rtol, layout, profile, rule, factor,
-                    out) -> bool:
+                    out, select=None) -> bool:
     """The gradient verdicts (``do`` and ``d<name>`` in the file), the ``lse`` and the
     ``final_state`` verdicts; True when every one matches (or there is nothing to judge)."""
     from .testing import compare_grads, compare_lse
@@ -218,7 +223,8 @@ def _judge_training(training, rec, arrays, params, *, rtol, layout, profile, rul
     if grads:
         gc = (compare_grads if profile is None else compare_port_grads)(
             grads, rec if profile is None else profile, q, k, v, training["do"], rtol=rtol,
-            layout=layout, rule=rule, factor=factor, **params)
+            layout=layout, rule=rule, factor=factor, **({"select": select} if select else {}),
+            **params)
         print(gc.table(), file=out)
         print(gc.verdict(), file=out)
         ok = ok and gc.ok

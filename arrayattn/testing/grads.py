@@ -54,7 +54,8 @@ class GradComparison:
 
 
 def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, layout=None,
-                  profile=None, rule=None, factor: float = 2.0, **params) -> GradComparison:
+                  profile=None, rule=None, factor: float = 2.0, select=None,
+                  **params) -> GradComparison:
     """Compare ``grads`` (``{"q": dq, "k": dk, "v": dv, <argument>: d<argument>}``, any
     array library) with arrayattn's float64 :func:`~arrayattn.vjp` of ``variant`` at
     ``(q, k, v, do, **params)``.
@@ -85,6 +86,10 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
         The tolerance rule (Notes); default by the gradients' dtype.
     factor : float
         The multiple of the ``same-dtype`` rule (FlashAttention's tests use 2).
+    select : dict, optional
+        ``{name: index}``: judge only ``d<name>[index]`` (an index tuple into the reference
+        gradient, layout ``"bhnd"``); ``grads[name]`` then holds just those entries.  The
+        sampled judge's key columns (:mod:`arrayattn.testing.check.sampled_grads`).
     **params
         The forward's options (arrays as host data or any library).
 
@@ -133,31 +138,39 @@ def compare_grads(grads: dict, variant, q, k, v, do, /, *, rtol=None, atol=0.0, 
     dtypes, rule, half = _dtypes_and_rule(grads, rule, (q, k, v, do))
     rec, args, options, theirs, how = host_problem(grads, variant, q, k, v, do, params,
                                                     layout, profile)
-    ref = reference_vjp(rec, args, options, "float64", how=how)
+    full = reference_vjp(rec, args, options, "float64", how=how)
+    select = select or {}
+
+    def view(name: str, a: np.ndarray) -> np.ndarray:
+        return a[select[name]] if name in select else a
+
+    ref = {name: view(name, g) for name, g in full.items()}
     _check_shapes(rec.name, theirs, ref)
     errors = {name: head_errors(error_of(g, ref[name], dtype_name(grads[name])), ref[name])
               for name, g in theirs.items()}
 
+    def own_error(name: str, own: dict) -> np.ndarray:
+        return own_head_error(ref[name] + view(name, own[name]), ref[name],
+                              len(errors[name].heads))[0]
+
     def covered(own: dict) -> bool:
         return all(covers(errors[name], dtype_name(grads[name]), rtol, atol, rule_factor(
-            rule, factor))(own_head_error(ref[name] + own[name], ref[name],
-                                          len(errors[name].heads))[0]) for name in theirs)
+            rule, factor))(own_error(name, own)) for name in theirs)
 
-    own = _baseline(rec, args, options, dtypes, rule, half, ref, how, covered)
+    own = _baseline(rec, args, options, dtypes, rule, half, full, how, covered)
     items, lenient = {}, None
     for name, g in theirs.items():
         dt = dtype_name(grads[name])
-        own_err, _ = own_head_error(ref[name] + own[name], ref[name], len(errors[name].heads))
+        own_err = own_error(name, own)
         tol = derived_tolerance(errors[name], own_err, dt, rtol=rtol, atol=atol,
                                 factor=rule_factor(rule, factor))
         loose = None
         over = ~(np.isfinite(errors[name].max_abs) & (errors[name].max_abs <= tol))
         if rule == "same-dtype" and rtol is None and over.any():
             if lenient is None:     # the float64 rule's baseline, for the class between
-                lenient = _baseline(rec, args, options, dtypes, "float64", None, ref, how)
-            loose = derived_tolerance(errors[name], own_head_error(
-                ref[name] + lenient[name], ref[name], len(errors[name].heads))[0], dt,
-                rtol=None, atol=atol)
+                lenient = _baseline(rec, args, options, dtypes, "float64", None, full, how)
+            loose = derived_tolerance(errors[name], own_error(name, lenient), dt, rtol=None,
+                                      atol=atol)
         items[name] = Comparison.of(f"{rec.name} d{name}", dt, errors[name], tol, own_err,
                                     profile=None if profile is None else str(profile),
                                     rule=rule, lenient=loose, strict=strict)

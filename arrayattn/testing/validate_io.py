@@ -6,6 +6,7 @@ from __future__ import annotations
 
 
 __all__ = ["UsageError", "parse_option", "META", "read_meta", "with_meta", "print_raised",
+           "key_columns",
            "shown_value", "print_output_verdict", "MAX_OPTION"]
 
 #: Integer options beyond this (num_features, num_landmarks ...) cannot be meant.
@@ -80,6 +81,21 @@ def read_meta(path: str, arrays: dict) -> dict:
     if not isinstance(meta, dict):
         raise UsageError(f"{path}: its {META} is not a JSON object")
     return meta
+
+
+def key_columns(meta: dict, training: dict) -> dict | None:
+    """The ``select`` of :func:`~arrayattn.testing.compare_grads` for a repro file of key
+    columns (``__meta__`` ``"key_columns": m``, written by the sampled judge: the file's
+    keys are the ``m`` columns judged, then the sink key, its values one dimension wider;
+    :mod:`arrayattn.testing.check.sampled_grads`): ``dk`` and ``dv`` of the first ``m``
+    keys, ``dv``'s features as the file's ``dv`` holds them.  ``None`` for other files."""
+    m = meta.get("key_columns")
+    if m is None:
+        return None
+    dv = training.get("dv")
+    return {"k": (Ellipsis, slice(0, int(m)), slice(None)),
+            "v": (Ellipsis, slice(0, int(m)), slice(0, None if dv is None else
+                                                      dv.shape[-1]))}
 
 
 def with_meta(meta: dict, variant, profile, layout, options) -> tuple:

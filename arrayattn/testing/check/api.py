@@ -98,9 +98,12 @@ class KernelCheck:
             lines.append(f"repro: {self.repro}; judge it with: {self.validate}")
         lines += [f"note: {note}" for note in self.notes]
         if any(label.endswith(" rows)") for label, _ in f.verdict.items):
-            lines.append("judged on sampled query rows (the sampled judge); the repro holds "
-                         "their sub-problem" + (f", the rows in {self.repro}.rows.txt"
-                                                if self.repro else ""))
+            cols = any(label.endswith(" key columns)") for label, _ in f.verdict.items)
+            lines.append("judged on sampled query rows" + (" and key columns" if cols else "")
+                         + " (the sampled judge); the repro holds their sub-problem" + (
+                             f", the rows in {self.repro}.rows.txt" if self.repro else "")
+                         + (f", the key columns' in {self.repro}.cols.npz (keys in "
+                            f"{self.repro}.cols.txt)" if cols and self.repro else ""))
         return "\n".join(lines)
 
     @property

@@ -204,9 +204,11 @@ def large_catalogue(conv, dtypes, grads: bool, skip=(), max_size: int = 2 ** 24)
     for key, value in causal + [w for w in windows if w[0] not in skip]:
         cases += [replace(base, n=n, s=s).with_options(**{key: value}) for n, s in shapes]
     if not conv.equal_lengths:      # many rows of several tiles: the sampled judge's regime
-        cases += [replace(base, hq=4, hkv=4, n=2048, s=2048, d=64, dv=64)] + [
-            replace(base, hq=4, hkv=4, n=2048, s=2048, d=64, dv=64).with_options(
-                **{key: value}) for key, value in causal[:1]]
+        tiles = replace(base, hq=4, hkv=4, n=2048, s=2048, d=64, dv=64)
+        cases += [tiles] + [tiles.with_options(**{key: value}) for key, value in causal[:1]]
+        if grads and "backward" in conv.space and "backward" not in skip:
+            cases += [tiles.with_options(backward=True)] + [tiles.with_options(
+                backward=True, **{key: value}) for key, value in causal[:1]]
     cases += [replace(base, b=3, hq=24, hkv=24 if not conv.gqa else 6),
               replace(base, b=2, hq=64, hkv=64 if not conv.gqa else 8, n=8, s=8)]
     if "segments" in conv.space and "segments" not in skip:

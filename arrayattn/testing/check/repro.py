@@ -180,16 +180,18 @@ def write_repro(path: str, conv, fn, case, *, outcome=None, flaky: bool = False)
             error = raised("the kernel", exc)
     arrays = None
     if results is not None and error is None:
-        from .sampling import repro_rows
+        from .sampled import repro_rows, write_columns
         sampled = repro_rows(conv, call, case, results, grads or {})
         if sampled is not None:  # judged on sampled rows: their sub-problem, rows beside
             arrays, flags, rows = sampled
-            arrays[META] = np.asarray(json.dumps(repro_meta(conv, case, flags, error=None,
-                                                            flaky=flaky)))
+            meta = repro_meta(conv, case, flags, error=None, flaky=flaky)
+            arrays[META] = np.asarray(json.dumps(meta))
             np.savez(path, **arrays)
             np.savetxt(path + ".rows.txt", rows, fmt="%d", header=f"the query rows of "
                        f"{case.describe()} judged (of n = {case.n})")
-            return validate_command(path, flags)
+            cols = write_columns(path, conv, call, case, grads or {}, meta)
+            return validate_command(path, flags) + (
+                "" if cols is None else "; " + validate_command(path + ".cols.npz", cols))
     if results is not None:
         try:
             arrays, flags = repro_arrays(conv, call, case, results, grads or {})

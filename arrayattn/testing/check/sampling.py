@@ -10,13 +10,15 @@ is exact for the rows judged, with the same referee, tolerance rules and report.
 every tile boundary (``64 m - 1, 64 m, 64 m + 1``), the first and last two rows, the rows a
 window or causal mask starts or ends on (and their neighbours), and 32 random rows.
 
-Cost: ``|R| / n`` of the full judge (``(1, 8, 16384, 128)``: 800 of 16384 rows).  Gradients
-are judged in full: dq of a row needs only that row, but dk and dv of a key need the whole
-column of ``P`` and ``dO`` (every query), so a sampled dk/dv costs the full forward anyway;
-a backward case is judged whole (the cost model keeps backward cases small).  Problems the
-rows cannot be sliced from (paged caches, packed sequences, ``mask_mod``/``score_mod``,
-dropout, FlashAttention's causal ALiBi with its per-row lse shift) are judged whole too."""
+Cost: ``|R| / n`` of the full judge (``(1, 8, 16384, 128)``: 800 of 16384 rows).
+Gradients: ``dq`` on the same rows, ``dk`` and ``dv`` on sampled key columns
+(:mod:`~arrayattn.testing.check.sampled_grads`).  Problems the rows cannot be sliced from
+(paged caches, packed sequences, ``mask_mod``/``score_mod``, dropout, FlashAttention's
+causal ALiBi with its per-row lse shift, gradients of anything but q, k, v) are judged
+whole."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -24,7 +26,8 @@ from .. import outputs as _outputs
 from ..problem import prepare
 
 __all__ = ["SAMPLE_ABOVE", "sample_rows", "sampled_rows", "row_problem", "judge_rows",
-           "RANDOM_ROWS", "judge_case", "repro_rows"]
+           "RANDOM_ROWS", "tile_options", "window_of", "take_rows", "at_indices",
+           "sliceable_problem"]
 
 #: Logits (``b h n s``) above which a forward case is judged on sampled rows.
 SAMPLE_ABOVE = 2 ** 22
@@ -64,7 +67,9 @@ def sample_rows(n: int, s: int, *, window=(None, None), seed: int = 0,
     return rows
 
 
-def _window(options) -> tuple:
+def window_of(options) -> tuple:
+    """``(left, right)``: the window of arrayattn's ``options``, ``causal`` as ``right =
+    0`` (``None``: unbounded)."""
     left, right = options.get("window") or (None, None)
     if options.get("causal"):
         right = 0 if right is None else min(right, 0)
@@ -72,19 +77,19 @@ def _window(options) -> tuple:
 
 
 def sampled_rows(case, call, x) -> np.ndarray | None:
-    """The rows to judge ``call`` on, or ``None`` (judge it whole): small problems,
-    backward cases and problems whose rows cannot be sliced."""
-    if case.b * case.hq * case.n * case.s <= SAMPLE_ABOVE or case.opts.get("backward"):
+    """The rows to judge ``call`` on, or ``None`` (judge it whole): small problems and
+    problems whose rows cannot be sliced."""
+    if case.b * case.hq * case.n * case.s <= SAMPLE_ABOVE:
         return None
-    prob = _problem(call, x)
+    prob = sliceable_problem(call, x)
     if prob is None:
         return None
     n, s = prob.q.shape[-2], prob.k.shape[-2]
-    rows = sample_rows(n, s, window=_window(prob.options), seed=case.seed)
+    rows = sample_rows(n, s, window=window_of(prob.options), seed=case.seed)
     return rows if len(rows) < n else None
 
 
-def _problem(call, x):
+def sliceable_problem(call, x):
     """arrayattn's problem of ``call`` when its rows can be sliced, else None."""
     prob = prepare(None if call.profile else call.variant, x["q"], x["k"], x["v"],
                    layout=call.layout, profile=call.profile, params=call.params)
@@ -97,71 +102,79 @@ def _problem(call, x):
 def row_problem(prob, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                   dict]:
     """``(q rows, k, v, options)``: the sub-problem of the query ``rows`` of ``prob``
-    (arrayattn's softmax problem, ``(b, h, n, d)``), the alignment explicit: a mask
-    ``(|R|, s)`` for the window/causal, ALiBi ``-slope |i + s - n - j|`` as a bias of those
-    rows (k, v repeated to the query heads: the bias is per query head)."""
-    o = dict(prob.options)
-    n, s = prob.q.shape[-2], prob.k.shape[-2]
-    pos = (rows + s - n)[:, None]
-    j = np.arange(s)[None, :]
-    visible = np.ones((len(rows), s), dtype=bool)
-    left, right = _window(o)
-    if left is not None:
-        visible &= j >= pos - left
-    if right is not None:
-        visible &= j <= pos + right
-    sub = {key: o[key] for key in ("scale", "softcap") if o.get(key) is not None}
-    mask = visible
-    if o.get("mask") is not None:
-        mask = np.logical_and(np.asarray(o["mask"])[..., rows, :], visible)
-    sub["mask"] = mask
-    bias = None if o.get("bias") is None else np.asarray(o["bias"])[..., rows, :]
-    if o.get("alibi_slopes") is not None:
-        slopes = np.asarray(o["alibi_slopes"], dtype=np.float64)
-        dist = -np.abs(pos - j).astype(np.float64)
-        alibi = slopes[..., None, None] * dist
-        bias = alibi if bias is None else bias + alibi
-    if bias is not None:
-        sub["bias"] = bias
+    (arrayattn's softmax problem, ``(b, h, n, d)``), the alignment explicit
+    (:func:`tile_options`; k, v repeated to the query heads)."""
     k, v = prob.k, prob.v
     hq, hkv = prob.q.shape[-3], k.shape[-3]
     if hq != hkv:
         idx = np.arange(hq) // (hq // hkv)
         k, v = k[..., idx, :, :], v[..., idx, :, :]
-    return prob.q[..., rows, :], k, v, sub
+    return prob.q[..., rows, :], k, v, tile_options(prob, rows)
+
+
+def tile_options(prob, rows: np.ndarray, cols: np.ndarray | None = None) -> dict:
+    """The options of the tile ``rows x cols`` (every key by default) of ``prob``, its
+    alignment explicit: a mask ``(|R|, |C|)`` for the window/causal (query ``i`` sits at
+    position ``i + s - n`` among its keys), ALiBi ``-slope |i + s - n - j|`` as a bias of
+    those rows (per query head), the options' mask and bias sliced."""
+    o = dict(prob.options)
+    n, s = prob.q.shape[-2], prob.k.shape[-2]
+    cols = np.arange(s) if cols is None else cols
+    pos = (rows + s - n)[:, None]
+    j = cols[None, :]
+    mask = np.ones((len(rows), len(cols)), dtype=bool)
+    left, right = window_of(o)
+    if left is not None:
+        mask &= j >= pos - left
+    if right is not None:
+        mask &= j <= pos + right
+    sub = {key: o[key] for key in ("scale", "softcap") if o.get(key) is not None}
+    if o.get("mask") is not None:
+        mask = np.logical_and(_tile(o["mask"], rows, cols, n, s), mask)
+    sub["mask"] = mask
+    bias = None if o.get("bias") is None else _tile(o["bias"], rows, cols, n, s)
+    if o.get("alibi_slopes") is not None:
+        slopes = np.asarray(o["alibi_slopes"], dtype=np.float64)
+        alibi = slopes[..., None, None] * -np.abs(pos - j).astype(np.float64)
+        bias = alibi if bias is None else bias + alibi
+    if bias is not None:   # per query head in full: grouped heads split the head axis
+        sub["bias"] = np.broadcast_to(bias, (*prob.q.shape[:-2], len(rows), len(cols)))
+    return sub
+
+
+def _tile(a, rows, cols, n: int, s: int) -> np.ndarray:
+    a = np.asarray(a)
+    a = np.broadcast_to(a, (*a.shape[:-2], n, s)) if a.ndim >= 2 else np.broadcast_to(
+        a, (n, s))
+    return a[..., rows, :][..., cols]
 
 
 def judge_rows(call, conv, results: dict, x: dict, rows: np.ndarray) -> list:
     """The verdict's items on the sampled ``rows``: the output rows and the lse rows
     against the sub-problem's float64 reference (labels name how many rows were judged)."""
-    prob = _problem(call, x)
+    prob = sliceable_problem(call, x)
     q, k, v, sub = row_problem(prob, rows)
     n = prob.q.shape[-2]
     label = f"{len(rows)} of {n} rows"
-    out = _take_rows(conv.to_judge("out", results["out"]), rows,
+    out = take_rows(conv.to_judge("out", results["out"]), rows,
                      -3 if call.layout == "bnhd" else -2, call.layout == "bnhd")
-    items = [(f"out ({label})", _outputs.compare_to_reference(
-        out, "softmax", q, k, v, layout="bhnd", **sub))]
+    items = [(f"out ({label})", at_indices(_outputs.compare_to_reference(
+        out, "softmax", q, k, v, layout="bhnd", **sub), rows))]
     if results.get("lse") is not None:
-        lse = _take_rows(results["lse"], rows, -1, False)
-        items.append((f"lse ({label})", _outputs.compare_lse(
-            lse, "softmax", q, k, v, layout="bhnd", **sub)))
+        lse = take_rows(results["lse"], rows, -1, False)
+        items.append((f"lse ({label})", at_indices(_outputs.compare_lse(
+            lse, "softmax", q, k, v, layout="bhnd", **sub), rows)))
     return items
 
 
-def judge_case(case, call, conv, results: dict, grads: dict):
-    """The verdict on one call: on sampled rows past :data:`SAMPLE_ABOVE` logits (where
-    the rows can be sliced), else whole (:func:`~arrayattn.testing.check.judge.judge`)."""
-    from .judge import Verdict, judge, judge_inputs
-
-    x = judge_inputs(call)
-    rows = None if grads else sampled_rows(case, call, x)
-    if rows is None:
-        return judge(call, conv, results, grads)
-    return Verdict(judge_rows(call, conv, results, x, rows))
+def at_indices(c, index: np.ndarray):
+    """``c`` with its worst positions' first index (a row of the sub-problem, or a key of
+    the columns') mapped back to the full problem's (``index[i]``)."""
+    return replace(c, worst=[(int(index[r]) if r < len(index) else r, col)
+                             for r, col in c.worst])
 
 
-def _take_rows(x, rows: np.ndarray, axis: int, swap: bool):
+def take_rows(x, rows: np.ndarray, axis: int, swap: bool):
     """The ``rows`` of ``x`` along ``axis`` in the kernel's own array and dtype (the dtype
     sets the tolerance), ``(..., n, h, d)`` swapped to ``(..., h, n, d)`` with ``swap``."""
     if hasattr(x, "index_select"):                       # torch
@@ -174,44 +187,3 @@ def _take_rows(x, rows: np.ndarray, axis: int, swap: bool):
         return jnp.swapaxes(y, -3, -2) if swap else y
     y = np.take(np.asarray(x), rows, axis=axis)
     return np.swapaxes(y, -3, -2) if swap else y
-
-
-def repro_rows(conv, call, case, results: dict, grads: dict):
-    """The repro of a case judged on sampled rows: ``(arrays, validate's flags, rows)`` of
-    the row sub-problem (q, out and lse rows, k, v, the explicit mask and bias; ``validate
-    --variant softmax`` judges exactly the rows the check judged), or ``None`` for a case
-    judged whole."""
-    from .judge import judge_inputs
-
-    x = judge_inputs(call)
-    rows = None if grads else sampled_rows(case, call, x)
-    if rows is None:
-        return None
-    prob = _problem(call, x)
-    q, k, v, sub = row_problem(prob, rows)
-    dt = _np_dtype(call.tensors["q"])
-    arrays = {"q": q.astype(dt), "k": k.astype(dt), "v": v.astype(dt)}
-    out = _take_rows(conv.to_judge("out", results["out"]), rows,
-                     -3 if call.layout == "bnhd" else -2, call.layout == "bnhd")
-    arrays["out"] = _host(out).astype(_np_dtype(out))
-    if results.get("lse") is not None:
-        lse = _take_rows(results["lse"], rows, -1, False)
-        arrays["lse"] = _host(lse).astype(_np_dtype(lse))
-    arrays["mask"] = np.asarray(sub["mask"])
-    if "bias" in sub:
-        arrays["bias"] = np.asarray(sub["bias"])
-    flags = {"variant": "softmax"}
-    options = [f"{key}={sub[key]}" for key in ("scale", "softcap") if key in sub]
-    if options:
-        flags["option"] = options
-    return arrays, flags, rows
-
-
-def _np_dtype(x):
-    name = str(x.dtype).split(".")[-1]
-    return np.float32 if name == "bfloat16" else np.dtype(name)
-
-
-def _host(x):
-    from .conventions.base import host
-    return host(x)

@@ -12,7 +12,7 @@ from .cases import (HALF, Case, case_strategy, catalogue, large_catalogue,
                     reach_catalogue, smaller)
 from .draws import local_constants_off
 from .judge import Verdict
-from .sampling import judge_case
+from .sampled import judge_case
 from .unsupported import Unsupported, isolate_unsupported
 
 __all__ = ["Search", "Outcome", "OutOfTime", "require_hypothesis", "default_dtypes",

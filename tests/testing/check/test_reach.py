@@ -166,7 +166,7 @@ def test_row_sub_problem_is_exactly_the_full_problems_rows(conv, opts, n, s):
     convention = get_convention(conv)
     case = convention.normalize(Case(b=2, hq=4, hkv=2, n=n, s=s).with_options(**opts))
     call = convention.build(case)
-    prob = sampling._problem(call, judge_inputs(call))
+    prob = sampling.sliceable_problem(call, judge_inputs(call))
     rows = sampling.sample_rows(case.n, case.s, seed=1)
     assert {0, 63, 64, 65, case.n - 1} <= set(rows.tolist())
     q, k, v, sub = sampling.row_problem(prob, rows)
