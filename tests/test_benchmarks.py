@@ -232,7 +232,8 @@ def test_asv_check_suite_runs_one_cheap_case_of_each(monkeypatch):
     pytest.importorskip("hypothesis")
     mod = load_benchmark("asv_bench/bench_check", "bench_asv_check")
     suites = {name: getattr(mod, name) for name in ("Catalogue", "CheckSearch",
-                                                    "TimeToFinding", "Judge")}
+                                                    "TimeToFinding", "Judge",
+                                                    "SampledJudge")}
     for cls in suites.values():
         assert any(a.startswith(("time_", "track_")) for a in dir(cls))
         assert len(cls.params) == len(cls.param_names)
@@ -254,6 +255,11 @@ def test_asv_check_suite_runs_one_cheap_case_of_each(monkeypatch):
     judge = mod.Judge()
     judge.setup("1x2x16x16", "backward", "float16")
     judge.time_judge("1x2x16x16", "backward", "float16")
+    from arrayattn.testing.check import sampling
+    monkeypatch.setattr(sampling, "SAMPLE_ABOVE", 2 ** 12)
+    sampled = mod.SampledJudge()
+    sampled.setup("1x2x128x16", "backward", "float32")   # raises unless judged on rows
+    sampled.time_judge("1x2x128x16", "backward", "float32")
 
 
 def test_asv_check_suite_skips_without_the_checker(monkeypatch):
@@ -265,7 +271,8 @@ def test_asv_check_suite_skips_without_the_checker(monkeypatch):
     for cls, args in ((mod.Catalogue, ("sdpa", "forward", "float32")),
                       (mod.CheckSearch, ("sdpa", "forward", "float32")),
                       (mod.TimeToFinding, ("sdpa bottom_right", "float32")),
-                      (mod.Judge, ("1x2x16x16", "forward", "float32"))):
+                      (mod.Judge, ("1x2x16x16", "forward", "float32")),
+                      (mod.SampledJudge, ("1x2x16x16", "forward", "float32"))):
         with pytest.raises(NotImplementedError, match="checker cannot run"):
             cls().setup(*args)
 

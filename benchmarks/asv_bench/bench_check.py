@@ -23,6 +23,9 @@ What a change to the judge or the search costs, measured as the checker's users 
 * :class:`Judge` -- ``time_judge``: :func:`arrayattn.testing.check.judge.judge` alone on a
   prepared SDPA call (torch's own kernel already run), forward or backward, float32 or
   float16, at a small shape ``(1, 2, 16, 16)`` and a kernel-sized one ``(1, 8, 1024, 64)``.
+* :class:`SampledJudge` -- ``time_judge``: the sampled judge past ``SAMPLE_ABOVE`` logits
+  at ``(1, 8, 4096, 64)`` float32, forward (sampled rows) and backward (rows and key
+  columns).
 
 The kernels: torch's own ``scaled_dot_product_attention`` (convention ``sdpa``) and
 :func:`flash_attn_func` below, a pure-torch kernel with ``flash_attn_func``'s signature and
@@ -318,3 +321,39 @@ class Judge:
     def time_judge(self, shape, pass_, dtype):
         self.judge(self.call, self.conv, self.results, self.grads)
 
+
+
+class SampledJudge(Judge):
+    """The sampled judge (:func:`arrayattn.testing.check.sampled.judge_case`) on a prepared
+    ``sdpa`` call of torch's own kernel past ``SAMPLE_ABOVE`` logits: forward on sampled
+    rows; backward on the rows (dq) and sampled key columns (dk, dv: the float64 forward of
+    every row's rest is most of it)."""
+
+    params = (["1x8x4096x64"], ["forward", "backward"], ["float32"])
+    timeout = 600.0
+    repeat = (1, 3, 30.0)
+
+    @_internal
+    def setup(self, shape, pass_, dtype):
+        torch, check = _require_checker()
+        try:
+            from arrayattn.testing.check.sampled import judge_case
+        except ImportError as exc:
+            raise NotImplementedError(f"no sampled gradients here: {exc}") from None
+        from arrayattn.testing.check.cases import Case
+        b, h, n, d = map(int, shape.split("x"))
+        backward = pass_ == "backward"
+        self.conv = check.get_convention("sdpa", "cpu")
+        self.case = self.conv.normalize(Case(b=b, hq=h, hkv=h, n=n, s=n, d=d, dv=d,
+                                             dtype=dtype).with_options(backward=backward))
+        self.call = self.conv.build(self.case)
+        self.results, self.grads = self.conv.run(
+            torch.nn.functional.scaled_dot_product_attention, self.call, self.case, backward)
+        self.judge = judge_case
+        verdict = judge_case(self.case, self.call, self.conv, self.results, self.grads)
+        if not verdict.ok or not verdict.items[0][0].endswith(" rows)"):
+            raise RuntimeError(f"torch's SDPA not judged OK on sampled rows at "
+                               f"{self.case.describe()}")
+
+    def time_judge(self, shape, pass_, dtype):
+        self.judge(self.case, self.call, self.conv, self.results, self.grads)

@@ -503,3 +503,23 @@ class TestValidateLayoutProfileCLI:
         code, stdout, _ = self.run(capsys, path, "--variant", "softmax", "--option",
                                    "causal=true")
         assert code == 1 and stdout.splitlines()[-1].startswith("MISMATCH")
+
+
+def test_a_file_of_gradients_alone_is_judged_without_out(tmp_path, capsys):
+    """q, k, v, do and gradients, no out: the gradients' verdict only (exit 0 / 1); without
+    do, out stays required."""
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((2, 24, 8), dtype=np.float32) for _ in range(4))
+    g = arrayattn.vjp("softmax", q, k, v, do, causal=True)
+    path = str(tmp_path / "grads.npz")
+    np.savez(path, q=q, k=k, v=v, do=do, dq=g["q"], dk=g["k"], dv=g["v"])
+    assert main(["validate", path, "--variant", "softmax", "--option", "causal=true"]) == 0
+    out = capsys.readouterr().out
+    assert "GRADIENTS MATCH" in out and "\nMATCH" not in out
+    g["k"][1, 3, 2] += 1e-3
+    np.savez(path, q=q, k=k, v=v, do=do, dq=g["q"], dk=g["k"], dv=g["v"])
+    assert main(["validate", path, "--variant", "softmax", "--option", "causal=true"]) == 1
+    assert "GRADIENTS MISMATCH: softmax: dk" in capsys.readouterr().out
+    np.savez(path, q=q, k=k, v=v)
+    assert main(["validate", path, "--variant", "softmax"]) == 2
+    assert "lacks array(s) out" in capsys.readouterr().err

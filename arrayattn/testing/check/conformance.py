@@ -286,13 +286,14 @@ def table(rows, *, relative_to: str | None = None) -> str:
     """The Markdown table of ``rows`` (repro paths relative to ``relative_to``)."""
     from .judge import ratio
 
-    head = ("| kernel | convention | options covered | dtypes | cases | time (s) | verdict | "
-            "worst error / tolerance | finding (smallest case; repro) |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| kernel | convention | options covered | dtypes | cases | head dims; largest "
+            "case | time (s) | verdict | worst error / tolerance | finding (smallest case; "
+            "repro) |")
+    lines = [head, "|" + "---|" * 10]
     for row in rows:
         k, r = row.kernel, row.result
         if r is None:
-            lines.append(f"| {_cell(k.name)} | {k.convention} | | | | | n/a: "
+            lines.append(f"| {_cell(k.name)} | {k.convention} | | | | | | n/a: "
                          f"{_cell(row.reason)} | | |")
             continue
         cov = r.covered
@@ -312,9 +313,17 @@ def table(rows, *, relative_to: str | None = None) -> str:
             "raised" if r.failure.verdict.error else f"{r.failure.verdict.worst:.3g}")
         lines.append(f"| {_cell(k.name)} | {k.convention} | {_cell(options)} | "
                      f"{', '.join(sorted(cov.get('dtypes', ())))} | {r.cases} | "
-                     f"{r.seconds:.1f} | {'ok' if r.ok else 'FOUND'} | {worst} | "
+                     f"{_sizes(cov)} | {r.seconds:.1f} | {'ok' if r.ok else 'FOUND'} | {worst} | "
                      f"{_cell(finding)} |")
     return "\n".join(lines) + "\n"
+
+
+def _sizes(cov: dict) -> str:
+    """``8-256; b=1 h=8 n=4096 s=4096 d=64 dv=64``: the head dims and the largest case."""
+    dims = sorted(cov.get("dims", ()))
+    span = "" if not dims else str(dims[0]) if len(dims) == 1 else f"{dims[0]}-{dims[-1]}"
+    largest = cov.get("largest", (0, ""))[1]
+    return _cell(f"{span}; {largest}" if largest else span)
 
 
 def notes(rows) -> str:
