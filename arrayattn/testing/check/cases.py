@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-__all__ = ["Case", "catalogue", "reach_catalogue", "large_catalogue", "case_strategy",
+__all__ = ["Case", "catalogue", "reach_catalogue", "large_catalogue", "case_strategy", "fitted",
            "MAGNITUDES", "HALF", "smaller", "VALUES", "POISONS", "DIMS", "cost", "fit",
            "value_classes", "forward_only"]
 
@@ -307,13 +307,20 @@ def case_strategy(conv, dtypes, grads: bool, skip=(), max_size: int = 2 ** 24):
             case = _large(draw, st, conv, case)
         if case.values == "overflow" and case.dtype not in HALF:
             case = replace(case, values="far_above")
-        case = forward_only(conv.normalize(case.with_options(**opts)))
-        case = fit(case, min(max_size or 2 ** 22, 2 ** 22), RANDOM_COST)
-        if conv.equal_lengths and case.s != case.n:
-            case = replace(case, n=min(case.n, case.s), s=min(case.n, case.s))
-        return case
+        return fitted(conv, forward_only(conv.normalize(case.with_options(**opts))),
+                      min(max_size or 2 ** 22, 2 ** 22))
 
     return draw_case()
+
+
+def fitted(conv, case: Case, max_size: int) -> Case:
+    """A random draw cut to ``max_size`` elements and :data:`RANDOM_COST` (:func:`fit`),
+    normalized again by the convention (fitting halves ``s`` first where ``n = s``, which
+    made ``n > s`` under a JAX window, a case the convention never draws)."""
+    case = conv.normalize(fit(case, max_size, RANDOM_COST))
+    if conv.equal_lengths and case.s != case.n:
+        case = replace(case, n=min(case.n, case.s), s=min(case.n, case.s))
+    return case
 
 
 def _large(draw, st, conv, case: Case) -> Case:

@@ -268,3 +268,17 @@ def test_varlen_padding_is_poisoned_and_a_kernel_reading_it_is_found():
     conv = get_convention("flash_attn_varlen")
     case = conv.normalize(Case(b=3, n=9, s=11, poison="nan").with_options(backward=True))
     assert not case.poison                      # dk, dv of the padding are not judged
+
+
+def test_a_fitted_draw_stays_a_case_the_convention_draws():
+    """Fitting a large draw halves s first where n = s; under a JAX window that gave n > s
+    (rows with no key, where JAX returns the mean of v: a false finding on
+    jax.nn.dot_product_attention at n = 104, s = 52).  The fitted case is normalized
+    again."""
+    from arrayattn.testing.check.cases import fit, fitted
+    conv = get_convention("jax_dot_product_attention")
+    case = conv.normalize(Case(hq=8, hkv=8, n=4096, s=4096, d=128, dv=128).with_options(
+        local_window_size=(5, 5)))
+    assert fit(case, 2 ** 22, float("inf")).n > fit(case, 2 ** 22, float("inf")).s
+    small = fitted(conv, case, 2 ** 22)
+    assert small.n <= small.s and small.b * small.hq * small.n * small.s <= 2 ** 22
