@@ -22,7 +22,8 @@ import numpy as np
 from .. import reference
 from ..core.devices import chunk_elements
 from .._numpy.parallel import num_threads, per_thread
-from .._numpy.sparse import CHUNK_SCALE, attend_tiles, drop_bad_values, finite, map_chunks
+from .._numpy.sparse import (CHUNK_SCALE, attend_tiles, chunk_out, drop_bad_values, finite,
+                             map_chunks)
 from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
 from .tiles import (PER_BLOCK, PER_KEY, blocked, host_indices, mask_from, mask_tables,
@@ -212,12 +213,13 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
     chunks = cut_chunks(layout.plan, per_slot, per_row, CHUNK_SCALE * budget,
                         threads=num_threads())
 
-    def attend_chunk(chunk):
-        rows, idx, valid, span = chunk
+    def attend_chunk(c):
+        rows, idx, valid, span = chunks[c]
         tiles = (engine_tile(g, rows, i, m, bad) for i, m in spans(idx, valid, span))
-        return attend_tiles(g.take(g.q, rows), g.k, vb, tiles)         # (..., G, b, dv)
+        return attend_tiles(g.take(g.q, rows), g.k, vb, tiles,         # (..., G, b, dv)
+                            chunk_out(c) if len(chunks) > 1 else None)   # concatenated below
 
-    outs = map_chunks(attend_chunk, chunks)
+    outs = map_chunks(attend_chunk, range(len(chunks)))
     return unblock(xp, in_block_order(xp, outs, chunks, -3, p.device), p.n)
 
 
