@@ -38,10 +38,9 @@ def map_chunks(fn, chunks) -> list:
 
     Each chunk reads the call's shared blocks and returns its own output (query blocks
     of the forward, key blocks of the backward's key-major pass): nothing is written
-    that another chunk reads."""
-    if len(chunks) > 1:
-        return parallel_map(fn, chunks)
-    return [fn(chunk) for chunk in chunks]
+    that another chunk reads.  A lone chunk runs on the calling thread (its scratch
+    buffers in that thread's workspace)."""
+    return parallel_map(fn, chunks)
 
 
 def finite(x) -> bool:

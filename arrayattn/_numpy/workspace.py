@@ -17,8 +17,9 @@ workspace buffer: results are fresh arrays.
 
 Bound: after each top-level map, where the workspaces of all threads together hold more
 than :func:`workspace_limit` bytes (``ARRAYATTN_WORKSPACE_MB``, default 256 MiB;
-:func:`set_workspace_limit`), they are all released, so a one-off huge call does not pin
-its memory (such calls allocate per call, as without a workspace).
+:func:`set_workspace_limit`), their largest buffers are released until they hold no more,
+so a one-off huge call does not pin its memory (the buffers over the bound are allocated
+per call, as without a workspace).
 :func:`release_workspace` releases everything now.
 """
 from __future__ import annotations
@@ -103,16 +104,28 @@ def workspace_limit() -> int:
 
 
 def set_workspace_limit(nbytes: int | None) -> int:
-    """Bound the memory the NumPy engine keeps between calls; returns the previous bound.
+    """Bound the memory the NumPy engine keeps between calls.
 
-    The engine keeps its block temporaries (scratch buffers, per-block results) in a
-    workspace per thread, reused by the next call so that it does not fault fresh pages
-    in (see :func:`release_workspace`).  After a call, where all threads' workspaces
-    together hold more than ``nbytes``, they are released.  ``0`` keeps nothing (every
-    call allocates afresh, as before the workspace); ``None`` goes back to
-    ``ARRAYATTN_WORKSPACE_MB`` (default 256 MiB).  Releases at once if the workspaces
-    already hold more.
+    The engine keeps its block temporaries in a workspace per thread, reused by the next
+    call (see :func:`release_workspace`).  After each call, where the workspaces of all
+    threads together hold more than the bound, their largest buffers are released until
+    they hold no more: a call that needs more allocates the rest afresh, as the engine
+    did before it had a workspace.
 
+    Parameters
+    ----------
+    nbytes : int or None
+        The bound in bytes; ``0`` keeps nothing between calls.  ``None`` goes back to the
+        environment variable ``ARRAYATTN_WORKSPACE_MB`` (MiB), or 256 MiB where it is not
+        set.  Applied at once: buffers over a lowered bound are released now.
+
+    Returns
+    -------
+    int
+        The previous bound in bytes.
+
+    Examples
+    --------
     >>> import arrayattn
     >>> previous = arrayattn.set_workspace_limit(64 << 20)   # keep at most 64 MiB
     >>> _ = arrayattn.set_workspace_limit(previous)
@@ -133,17 +146,32 @@ def set_workspace_limit(nbytes: int | None) -> int:
 
 
 def release_workspace() -> int:
-    """Release the memory the NumPy engine keeps between calls; returns the bytes released.
+    """Release the memory the NumPy engine keeps between calls.
 
-    The NumPy engine takes its large block temporaries (per-thread scratch buffers, the
-    per-block results of a two-pass form) from a workspace per thread that outlives the
-    call: with glibc's default ``malloc`` a freed temporary goes back to the system and
-    the next call would fault its pages in again (20-50 % of a causal kernel, Performer
-    or sparse call at ``(1, 8, 4096, 64)``).  The workspace is bounded
-    (:func:`set_workspace_limit`); this drops it now, e.g. after a burst of large calls.
-    The next call allocates afresh.  Results handed to the caller are never workspace
-    memory, so releasing affects no array the caller holds.
+    With glibc's default ``malloc`` a large temporary freed at the end of a call goes
+    back to the system, and the next call faults its pages in again, one per 4 KiB
+    (20-50 % of a causal kernel, Performer or sparse call at ``(1, 8, 4096, 64)``).  The
+    NumPy engine therefore takes its block temporaries -- per-thread scratch buffers
+    (score tiles, gathered keys, features of a block) and the per-block results a
+    second pass reads (a causal kernel's chunk states, a sparse chunk's output) -- from
+    a workspace per thread (each worker of its pool and each calling thread) that
+    outlives the call, each buffer grown to the largest size asked for.  At
+    ``(1, 8, n, 64)`` float32 it holds 20-40 MiB after a kernel, sparse, LSH or Nyström
+    call at ``n = 4096`` (91 MiB after causal Performer, m = 256), 30-120 MiB at
+    ``n = 16384`` (causal Performer up to the bound).  It is bounded
+    (:func:`set_workspace_limit`, 256 MiB by default); this function drops it now, e.g.
+    after a burst of large calls.  The next call allocates afresh.
 
+    Results handed to the caller are never workspace memory: releasing changes no
+    array the caller holds, and a later call never overwrites an earlier result.
+
+    Returns
+    -------
+    int
+        The bytes released.
+
+    Examples
+    --------
     >>> import arrayattn
     >>> freed = arrayattn.release_workspace()
     >>> arrayattn.release_workspace()
@@ -159,10 +187,21 @@ def release_workspace() -> int:
 
 
 def trim() -> None:
-    """Release every workspace where together they hold more than the bound (called
-    after each top-level map of the engine)."""
-    if workspace_bytes() > workspace_limit():
-        release_workspace()
+    """Where all threads' workspaces together hold more than the bound, drop their
+    largest buffers until they hold no more (called after each top-level map of the
+    engine: the small per-thread scratch buffers stay, a huge call's go)."""
+    limit = workspace_limit()
+    with _guard:
+        spaces = list(_spaces)
+    entries = [(buf.nbytes, ws, key) for ws in spaces for key, buf in list(ws.items())]
+    total = sum(size for size, _, _ in entries)
+    if total <= limit:
+        return
+    for size, ws, key in sorted(entries, key=lambda e: e[0], reverse=True):
+        if total <= limit:
+            break
+        if ws.pop(key, None) is not None:
+            total -= size
 
 
 def _after_fork_child():
