@@ -81,10 +81,10 @@ def _slot(slot):
     return lambda shape, dtype: scratch(shape, dtype, slot)
 
 
-def _held(slot, index):
-    """An ``alloc(shape, dtype)`` of the calling thread's buffer ``slot`` of block
-    ``index`` (:func:`~.parallel.held`: read by a later pass of the call)."""
-    return lambda shape, dtype: held(shape, dtype, slot, index)
+def _held(slot):
+    """An ``alloc(shape, dtype)`` of the calling thread's buffer ``slot`` of the current
+    block (:func:`~.parallel.held`: read by a later pass of the call)."""
+    return lambda shape, dtype: held(shape, dtype, slot)
 
 
 def _merge(parts):
@@ -147,7 +147,7 @@ def kernel_attention(v, *, query_features, key_features, n: int, s: int, batch,
                         shape=(*batch, n, v.shape[-1]), dtype=wd), sz
     if method == "chunked" and n == s:
         def features(i0, i1):   # the query features are read again by the second pass
-            return (query_features(i0, i1, _held("phi_q", i0)),
+            return (query_features(i0, i1, _held("phi_q")),
                     masked_keys(i0, i1, _slot("phi_k"))[0])
         return _chunked_blocks(features, values1, sz0, n, chunk=chunk, batch=batch,
                                eps=eps, width=v.shape[-1], row_bytes=row_bytes, wd=wd)
@@ -182,11 +182,11 @@ def _chunked_blocks(features, values1, sz0, n: int, *, chunk: int, batch, eps, w
                 for x in (pq, pk, v1))
         qc, kc, vc = (x.reshape(*batch, nc, c, x.shape[-1]) for x in (pq, pk, v1))
         kv = np.matmul(kc.swapaxes(-1, -2), vc,                  # (..., nc, m, dv+1)
-                       out=held((*batch, nc, kc.shape[-1], vc.shape[-1]), wd, "kv", i0))
+                       out=held((*batch, nc, kc.shape[-1], vc.shape[-1]), wd, "kv"))
         a = np.matmul(qc, kc.swapaxes(-1, -2),                   # (..., nc, c, c)
                       out=scratch((*batch, nc, c, c), wd, "a"))
         np.copyto(a, 0.0, where=future)
-        within = np.matmul(a, vc, out=held((*batch, nc, c, vc.shape[-1]), wd, "within", i0))
+        within = np.matmul(a, vc, out=held((*batch, nc, c, vc.shape[-1]), wd, "within"))
         return qc, kv, within, kv.sum(axis=-3)
 
     blocks = split_rows(n, row_bytes=row_bytes + wd.itemsize * math.prod(batch) * c,

@@ -56,7 +56,7 @@ BLOCK_BYTES = 1 << 22
 #: Held by every public call on NumPy (see the module docstring).
 LOCK = threading.RLock()
 
-_state = threading.local()   # .inside: a worker; .depth: map nesting; .held: see held()
+_state = threading.local()   # .inside: a worker; .depth: map nesting; .held, .item: held()
 _pool: tuple | None = None   # (executor, workers, pid)
 _blas: tuple | None = None   # (set, get) of the BLAS thread count, or () when not found
 _split: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -198,16 +198,32 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 
 
 def _as_worker(fn, held):
-    """``fn`` run as a worker of one :func:`parallel_map` call: nested calls run serially,
-    :func:`scratch` hands out this thread's workspace buffers and :func:`held` the
-    caller's (``held``: its workspace and depth)."""
-    def run(item):
+    """``fn`` run as a worker of one :func:`parallel_map` call on ``(position, item)``:
+    nested calls run serially, :func:`scratch` hands out this thread's workspace buffers
+    and :func:`held` the caller's (``held``: its workspace and depth)."""
+    def run(numbered):
         _state.inside, _state.depth, _state.held = True, 1, held
+        _state.item = numbered[0]
         try:
-            return fn(item)
+            return fn(numbered[1])
         finally:
             _state.inside, _state.depth, _state.held = False, 0, None
     return run
+
+
+def _serial(fn, items, depth: int) -> list:
+    """``[fn(item) for item in items]`` on this thread, one map level deeper: a nested
+    call gets buffers of its own depth, never its caller's."""
+    saved = getattr(_state, "held", None), getattr(_state, "item", None)
+    _state.depth, _state.held = depth + 1, (workspace.space(), depth)
+    try:
+        out = []
+        for position, item in enumerate(items):
+            _state.item = position
+            out.append(fn(item))
+        return out
+    finally:
+        _state.depth, (_state.held, _state.item) = depth, saved
 
 
 @contextlib.contextmanager
@@ -242,16 +258,10 @@ def parallel_map(fn, items, *, blas: bool = True) -> list:
     depth = getattr(_state, "depth", 0)
     try:
         if workers < 2 or getattr(_state, "inside", False) or (blas and not control):
-            saved = getattr(_state, "held", None)
-            # a nested call gets buffers of its own depth, never its caller's
-            _state.depth, _state.held = depth + 1, (workspace.space(), depth)
-            try:
-                return [fn(item) for item in items]
-            finally:
-                _state.depth, _state.held = depth, saved
+            return _serial(fn, items, depth)
         with _one_blas_thread(control):
             return list(_executor(workers).map(
-                _as_worker(fn, (workspace.space(), depth)), items))
+                _as_worker(fn, (workspace.space(), depth)), enumerate(items)))
     finally:
         if depth == 0:
             workspace.trim()
@@ -274,17 +284,17 @@ def scratch(shape, dtype, slot: str) -> np.ndarray:
     return workspace.buffer(workspace.space(), (depth, slot), shape, dtype)
 
 
-def held(shape, dtype, slot: str, index) -> np.ndarray:
-    """A buffer of ``shape`` and ``dtype`` for the result of item ``index`` of the current
+def held(shape, dtype, slot: str) -> np.ndarray:
+    """A buffer of ``shape`` and ``dtype`` for a result of the current item of a
     :func:`parallel_map` call that a later map of the same call reads (the first pass's
     block results of a two-pass form): from the calling thread's workspace, one per
-    ``(slot, index)``, reused by the next calls (a fresh array outside a map).  It must
-    not reach the caller of the public function: the next call overwrites it."""
+    ``slot`` and item position, reused by the next calls (a fresh array outside a map).
+    It must not reach the caller of the public function: the next call overwrites it."""
     where = getattr(_state, "held", None)
     if where is None:
         return np.empty(shape, dtype=dtype)
     ws, depth = where
-    return workspace.buffer(ws, ("held", depth, slot, index), shape, dtype)
+    return workspace.buffer(ws, ("held", depth, slot, _state.item), shape, dtype)
 
 
 @contextlib.contextmanager

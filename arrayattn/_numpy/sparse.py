@@ -130,9 +130,9 @@ def _product(a, b):
     return (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
 
 
-def chunk_out(index):
-    """``alloc(shape, dtype)`` of the calling thread's held buffer for chunk ``index``'s
-    output (:func:`~.parallel.held`: the executor concatenates the chunks' outputs into
-    a fresh result; outside a threaded map a fresh array, so that a lone chunk's output,
-    which is the result, is never a workspace buffer)."""
-    return lambda shape, dtype: held(shape, dtype, "sparse_out", index)
+def chunk_out(shape, dtype):
+    """The calling thread's held buffer for the current chunk's output
+    (:func:`~.parallel.held`: the executor concatenates the chunks' outputs into a fresh
+    result; pass it as ``alloc`` only where there are several chunks, so that a lone
+    chunk's output, which is the result, is never a workspace buffer)."""
+    return held(shape, dtype, "sparse_out")

@@ -213,13 +213,13 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
     chunks = cut_chunks(layout.plan, per_slot, per_row, CHUNK_SCALE * budget,
                         threads=num_threads())
 
-    def attend_chunk(c):
-        rows, idx, valid, span = chunks[c]
+    def attend_chunk(chunk):
+        rows, idx, valid, span = chunk
         tiles = (engine_tile(g, rows, i, m, bad) for i, m in spans(idx, valid, span))
         return attend_tiles(g.take(g.q, rows), g.k, vb, tiles,         # (..., G, b, dv)
-                            chunk_out(c) if len(chunks) > 1 else None)   # concatenated below
+                            chunk_out if len(chunks) > 1 else None)   # concatenated below
 
-    outs = map_chunks(attend_chunk, range(len(chunks)))
+    outs = map_chunks(attend_chunk, chunks)
     return unblock(xp, in_block_order(xp, outs, chunks, -3, p.device), p.n)
 
 

@@ -201,7 +201,7 @@ def test_nested_map_and_held_outside_a_map():
 
     with parallel.split_everything(2):
         assert not any(parallel.parallel_map(outer, range(2), blas=False))
-    a, b = (parallel.held((8,), np.float32, "x", 0) for _ in range(2))
+    a, b = (parallel.held((8,), np.float32, "x") for _ in range(2))
     assert not np.shares_memory(a, b)
     assert not np.shares_memory(parallel.scratch((8,), np.float32, "x"),
                                 parallel.scratch((8,), np.float32, "x"))
