@@ -103,10 +103,11 @@ def kernel_attention(v, *, query_features, key_features, n: int, s: int, batch,
     of those rows (maps act on the last axis, so rows split freely; each row is asked for
     once, so the callables may consume their own temporaries), written into
     ``alloc(shape, dtype)`` where they make a fresh array (``alloc`` gives a workspace
-    buffer of the engine's, or is ``None``: a fresh array).  ``v`` is in the working dtype with the
-    masked rows zeroed; masked keys' features are zeroed here.  With ``shifted_keys``
-    (non-causal) ``key_features`` returns ``(features / exp(shift), shift)``, one shift
-    ``(..., 1, 1)`` per block, merged by :func:`_merge`.  ``sz0``: ``Sz`` of earlier keys.
+    buffer of the engine's, or is ``None``: a fresh array).  ``v`` is in the working
+    dtype with the masked rows zeroed; masked keys' features are zeroed here.  With
+    ``shifted_keys`` (non-causal) ``key_features`` returns ``(features / exp(shift),
+    shift)``, one shift ``(..., 1, 1)`` per block, merged by :func:`_merge`.  ``sz0``:
+    ``Sz`` of earlier keys.
     """
     wd = v.dtype
     row_bytes = math.prod(batch) * max(m or 0, v.shape[-1] + 1) * wd.itemsize

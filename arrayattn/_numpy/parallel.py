@@ -41,8 +41,8 @@ import numpy as np
 from . import workspace
 
 __all__ = ["LOCK", "serialised", "num_threads", "split_everything", "per_thread", "split_rows",
-           "parallel_map", "map_rows", "scratch", "held", "blas_single", "reduce_rows", "cumsum_",
-           "openblas_control"]
+           "parallel_map", "map_rows", "scratch", "held", "blas_single", "reduce_rows",
+           "cumsum_", "openblas_control"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
 #: a thread hand-off costs tens of microseconds.

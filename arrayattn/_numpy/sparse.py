@@ -24,6 +24,7 @@ from .finite import all_finite
 from .parallel import held, parallel_map, scratch
 
 __all__ = ["map_chunks", "finite", "drop_bad_values", "attend_tiles", "chunk_out",
+           "take_blocks",
            "CHUNK_SCALE"]
 
 #: An engine chunk holds this many times the executor's budget of elements
@@ -123,6 +124,13 @@ def _gather(x, idx, slot):
     out = scratch((*x.shape[:-3], g * r, *x.shape[-2:]), x.dtype, slot)
     np.take(x, idx.reshape(-1), axis=-3, out=out, mode="clip")
     return out.reshape(*x.shape[:-3], g, r * x.shape[-2], x.shape[-1])
+
+
+def take_blocks(x, rows):
+    """The blocks ``rows (G,)`` (host integers, in bounds) of ``x (..., K, b, c)``:
+    ``(..., G, b, c)`` in this thread's scratch buffer ``"qc"`` (a chunk's queries)."""
+    out = scratch((*x.shape[:-3], rows.size, *x.shape[-2:]), x.dtype, "qc")
+    return np.take(x, rows, axis=-3, out=out, mode="clip")
 
 
 def _product(a, b):

@@ -23,7 +23,7 @@ from .. import reference
 from ..core.devices import chunk_elements
 from .._numpy.parallel import num_threads, per_thread
 from .._numpy.sparse import (CHUNK_SCALE, attend_tiles, chunk_out, drop_bad_values, finite,
-                             map_chunks)
+                             map_chunks, take_blocks)
 from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
 from .tiles import (PER_BLOCK, PER_KEY, blocked, host_indices, mask_from, mask_tables,
@@ -216,7 +216,7 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
     def attend_chunk(chunk):
         rows, idx, valid, span = chunk
         tiles = (engine_tile(g, rows, i, m, bad) for i, m in spans(idx, valid, span))
-        return attend_tiles(g.take(g.q, rows), g.k, vb, tiles,         # (..., G, b, dv)
+        return attend_tiles(take_blocks(g.q, rows), g.k, vb, tiles,     # (..., G, b, dv)
                             chunk_out if len(chunks) > 1 else None)   # concatenated below
 
     outs = map_chunks(attend_chunk, chunks)
