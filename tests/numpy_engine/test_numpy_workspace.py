@@ -121,8 +121,9 @@ def test_release_drops_everything(rng):
 
 
 def test_bound_respected(rng):
-    """After a call the workspaces hold at most the bound (the largest buffers go
-    first); lowering the bound applies at once; 0 keeps nothing."""
+    """After a call the workspaces hold at most the bound (over it, every held buffer
+    goes, then the largest scratch buffers); lowering the bound applies at once; 0 keeps
+    nothing."""
     q, k, v = _inputs(rng, n=512)
     _call("performer_positive", {"causal": True}, q, k, v)
     unbounded = workspace.workspace_bytes()
@@ -131,7 +132,8 @@ def test_bound_respected(rng):
     arrayattn.set_workspace_limit(limit)
     assert workspace.workspace_bytes() <= limit
     _call("performer_positive", {"causal": True}, q, k, v)
-    assert 0 < workspace.workspace_bytes() <= limit     # the small ones stay
+    assert 0 < workspace.workspace_bytes() <= limit     # the small ones stay ...
+    assert not any(key[0] == "held" for _, key in _buffers())   # ... the held ones go
     assert arrayattn.set_workspace_limit(0) == limit
     assert workspace.workspace_bytes() == 0
     _call("performer_positive", {"causal": True}, q, k, v)
