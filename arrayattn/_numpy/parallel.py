@@ -41,7 +41,7 @@ import numpy as np
 from . import workspace
 
 __all__ = ["LOCK", "serialised", "num_threads", "split_everything", "per_thread", "split_rows",
-           "parallel_map", "map_rows", "scratch", "held", "blas_single", "reduce_rows",
+           "parallel_map", "map_rows", "scratch", "held", "own", "blas_single", "reduce_rows",
            "cumsum_", "openblas_control"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
@@ -295,6 +295,16 @@ def held(shape, dtype, slot: str) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
     ws, depth = where
     return workspace.buffer(ws, ("held", depth, slot, _state.item), shape, dtype)
+
+
+def own(shape, dtype, slot: str) -> np.ndarray:
+    """A buffer of ``shape`` and ``dtype`` from this thread's workspace for a temporary
+    of the serial code between maps (keyed by ``slot`` and the map depth): reused by the
+    next calls.  Consumed before the public call returns, never returned, and one slot
+    used by one computation at a time (the caller's serial code, which no other thread
+    runs)."""
+    depth = getattr(_state, "depth", 0)
+    return workspace.buffer(workspace.space(), ("own", depth, slot), shape, dtype)
 
 
 @contextlib.contextmanager

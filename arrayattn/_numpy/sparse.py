@@ -21,10 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from .finite import all_finite
-from .parallel import held, parallel_map, scratch
+from .parallel import held, own, parallel_map, scratch
 
 __all__ = ["map_chunks", "finite", "drop_bad_values", "attend_tiles", "chunk_out",
-           "take_blocks",
+           "take_blocks", "take_rows",
            "CHUNK_SCALE"]
 
 #: An engine chunk holds this many times the executor's budget of elements
@@ -131,6 +131,14 @@ def take_blocks(x, rows):
     ``(..., G, b, c)`` in this thread's scratch buffer ``"qc"`` (a chunk's queries)."""
     out = scratch((*x.shape[:-3], rows.size, *x.shape[-2:]), x.dtype, "qc")
     return np.take(x, rows, axis=-3, out=out, mode="clip")
+
+
+def take_rows(x, rows):
+    """``x (..., s, c)`` at the rows ``rows`` (in bounds): ``(..., len(rows), c)``, in the
+    calling thread's workspace buffer ``"rows"`` (:func:`~.parallel.own`: consumed
+    before the call returns, e.g. Poolingformer's pooled intervals)."""
+    out = own((*x.shape[:-2], rows.size, x.shape[-1]), x.dtype, "rows")
+    return np.take(x, rows, axis=-2, out=out, mode="clip")
 
 
 def _product(a, b):
