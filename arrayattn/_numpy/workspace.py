@@ -156,10 +156,10 @@ def release_workspace() -> int:
     second pass reads (a causal kernel's chunk states, a sparse chunk's output) -- from
     a workspace per thread (each worker of its pool and each calling thread) that
     outlives the call, each buffer grown to the largest size asked for.  At
-    ``(1, 8, n, 64)`` float32 it holds 20-40 MiB after a kernel, sparse, LSH or Nyström
-    call at ``n = 4096`` (91 MiB after causal Performer, m = 256), 30-120 MiB at
-    ``n = 16384`` (causal Performer would need 585 MiB: over the bound, its per-block
-    results are not kept).  It is bounded (:func:`set_workspace_limit`, 256 MiB by
+    ``(1, 8, n, 64)`` float32 it holds 8-50 MiB after a kernel, sparse, Poolingformer,
+    LSH or Nyström call at ``n = 4096`` (91 MiB after causal Performer, m = 256),
+    20-130 MiB at ``n = 16384`` (causal Performer would need 585 MiB: over the bound,
+    its per-block results are not kept).  It is bounded (:func:`set_workspace_limit`, 256 MiB by
     default); this function drops it now, e.g. after a burst of large calls.  The next
     call allocates afresh.
 
