@@ -302,9 +302,15 @@ def own(shape, dtype, slot: str) -> np.ndarray:
     of the serial code between maps (keyed by ``slot`` and the map depth): reused by the
     next calls.  Consumed before the public call returns, never returned, and one slot
     used by one computation at a time (the caller's serial code, which no other thread
-    runs)."""
-    depth = getattr(_state, "depth", 0)
-    return workspace.buffer(workspace.space(), ("own", depth, slot), shape, dtype)
+    runs).  A fresh array where the buffer would take the workspaces over their bound
+    (no map after it would trim them)."""
+    ws, key = workspace.space(), ("own", getattr(_state, "depth", 0), slot)
+    buf, need = ws.get(key), math.prod(shape) * np.dtype(dtype).itemsize
+    if buf is None or buf.nbytes < need:
+        held_now = workspace.workspace_bytes() - (0 if buf is None else buf.nbytes)
+        if held_now + need > workspace.workspace_limit():
+            return np.empty(shape, dtype=dtype)
+    return workspace.buffer(ws, key, shape, dtype)
 
 
 @contextlib.contextmanager

@@ -20,10 +20,12 @@ from arrayattn._numpy import parallel, workspace
 from conftest import make_qkv
 
 #: (variant, options): a causal kernel (held chunk states, features in the workspace),
-#: a causal Performer, a non-causal kernel and a sparse pattern (held chunk outputs).
+#: a causal Performer, a non-causal kernel, sparse patterns (held chunk outputs) and
+#: Poolingformer (its pooled rows and level-2 output in the calling thread's workspace).
 CALLS = [("linear_elu", {"causal": True}), ("linear_cosine", {"causal": True}),
          ("performer_positive", {"causal": True}), ("linear_relu", {}),
-         ("local", {"causal": True}), ("bigbird", {})]
+         ("local", {"causal": True}), ("bigbird", {}),
+         ("poolingformer", {"window": 32, "pool_window": 64})]   # own() and into=
 
 
 @pytest.fixture(autouse=True)
