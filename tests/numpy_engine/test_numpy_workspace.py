@@ -123,20 +123,21 @@ def test_release_drops_everything(rng):
 
 
 def test_bound_respected(rng):
-    """After a call the workspaces hold at most the bound (over it, every held buffer
-    goes, then the largest scratch buffers); lowering the bound applies at once; 0 keeps
+    """After a call the workspaces hold at most the bound (a call over it releases them
+    all: it runs as without a workspace); lowering the bound applies at once; 0 keeps
     nothing."""
     q, k, v = _inputs(rng, n=512)
     _call("performer_positive", {"causal": True}, q, k, v)
     unbounded = workspace.workspace_bytes()
-    sizes = sorted(_all_arrays(), key=lambda b: b.nbytes)
-    limit = unbounded - sizes[-1].nbytes // 2           # the largest buffer must go
+    limit = unbounded - 1
     arrayattn.set_workspace_limit(limit)
-    assert workspace.workspace_bytes() <= limit
+    assert workspace.workspace_bytes() == 0              # over the lowered bound: released
     _call("performer_positive", {"causal": True}, q, k, v)
-    assert 0 < workspace.workspace_bytes() <= limit     # the small ones stay ...
-    assert not any(key[0] == "held" for _, key in _buffers())   # ... the held ones go
-    assert arrayattn.set_workspace_limit(0) == limit
+    assert workspace.workspace_bytes() <= limit
+    arrayattn.set_workspace_limit(2 * unbounded)   # (another thread may add its own)
+    _call("performer_positive", {"causal": True}, q, k, v)
+    assert 0 < workspace.workspace_bytes() <= 2 * unbounded
+    assert arrayattn.set_workspace_limit(0) == 2 * unbounded
     assert workspace.workspace_bytes() == 0
     _call("performer_positive", {"causal": True}, q, k, v)
     assert workspace.workspace_bytes() == 0
