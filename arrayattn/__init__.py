@@ -7,6 +7,7 @@ library, device and dtype.  See ``docs/conventions`` for the shared conventions.
 from .registry.variant import Variant
 from .registry import attention_matrix, get_variant, jit_uniform, register, variants
 from .core.engine import use_engine
+from ._numpy.workspace import release_workspace, set_workspace_limit
 from . import reference
 # The registry is built from arrayattn.registry.catalogue.VARIANTS (one table) when first read:
 # importing these modules registers nothing.
@@ -52,7 +53,7 @@ def __dir__():
 
 __all__ = [
     "Variant", "attention_matrix", "get_variant", "jit_uniform", "register", "variants",
-    "use_engine",
+    "use_engine", "release_workspace", "set_workspace_limit",
     "reference",
     "softmax_attention", "paged_attention",
     "FeatureMap", "get_feature_map", "taylor_feature_map",

@@ -18,20 +18,41 @@ from __future__ import annotations
 import functools
 import math
 
+import array_api_compat.numpy as _xp
 import numpy as np
 
 from ..reference.kernel import kernel_attention as reference_kernel_attention
-from .parallel import cumsum_, map_rows, parallel_map, scratch, split_rows
+from .parallel import cumsum_, held, map_rows, parallel_map, scratch, split_rows
 
-__all__ = ["kernel_attention", "elu_plus_one_", "divide_", "rows_of"]
+__all__ = ["kernel_attention", "elu_plus_one_", "relu_", "cosine_", "divide_", "rows_of"]
 
 
-def elu_plus_one_(x):
-    """``elu(x) + 1 = exp(min(x, 0)) + max(x, 0)`` into a fresh array, one temporary."""
-    out = np.minimum(x, 0.0)
+def elu_plus_one_(x, alloc=None):
+    """``elu(x) + 1 = exp(min(x, 0)) + max(x, 0)`` into ``alloc(shape, dtype)`` (a fresh
+    array by default), one temporary (a scratch buffer inside the engine's map)."""
+    out = np.minimum(x, 0.0, out=_fresh(alloc, x.shape, x.dtype))
     np.exp(out, out=out)
-    out += np.maximum(x, 0.0)
+    out += np.maximum(x, 0.0, out=scratch(x.shape, x.dtype, "elu"))
     return out
+
+
+def relu_(x, alloc=None):
+    """``max(x, 0)`` (the ``relu`` map's values) into ``alloc(shape, dtype)``."""
+    return np.clip(x, 0.0, None, out=_fresh(alloc, x.shape, x.dtype))
+
+
+def cosine_(x, alloc=None):
+    """``[1, x / ||x||]`` (the ``cosine`` map's values: the same norm, a zero row's
+    features ``[1, 0, ...]``) into ``alloc(shape, dtype)``."""
+    nrm = _xp.linalg.vector_norm(x, axis=-1, keepdims=True)
+    out = _fresh(alloc, (*x.shape[:-1], x.shape[-1] + 1), x.dtype)
+    out[..., :1] = 1.0
+    np.divide(x, np.where(nrm > 0, nrm, np.ones_like(nrm)), out=out[..., 1:])
+    return out
+
+
+def _fresh(alloc, shape, dtype):
+    return np.empty(shape, dtype=dtype) if alloc is None else alloc(shape, dtype)
 
 
 def divide_(num, eps: float):
@@ -41,12 +62,29 @@ def divide_(num, eps: float):
     return num[..., :-1]
 
 
-def rows_of(x, f=None):
-    """``(i0, i1) -> f(x[..., i0:i1, :])`` (``f`` = identity when ``None``): the row-block
-    feature callable of :func:`kernel_attention` for a map ``f`` applied to ``x``."""
+def rows_of(x, f=None, *, into: bool = False):
+    """``(i0, i1, alloc) -> f(x[..., i0:i1, :])`` (``f`` = identity when ``None``): the
+    row-block feature callable of :func:`kernel_attention` for a map ``f`` applied to
+    ``x``; with ``into``, ``f(block, alloc)`` writes its features into
+    ``alloc(shape, dtype)`` (the engine's workspace: :func:`elu_plus_one_`, :func:`relu_`,
+    :func:`cosine_`)."""
     if f is None:
-        return lambda i0, i1: x[..., i0:i1, :]
-    return lambda i0, i1: f(x[..., i0:i1, :])
+        return lambda i0, i1, alloc=None: x[..., i0:i1, :]
+    if into:
+        return lambda i0, i1, alloc=None: f(x[..., i0:i1, :], alloc)
+    return lambda i0, i1, alloc=None: f(x[..., i0:i1, :])
+
+
+def _slot(slot):
+    """An ``alloc(shape, dtype)`` of this thread's workspace buffer ``slot``
+    (:func:`~.parallel.scratch`: consumed within the block)."""
+    return lambda shape, dtype: scratch(shape, dtype, slot)
+
+
+def _held(slot):
+    """An ``alloc(shape, dtype)`` of the calling thread's buffer ``slot`` of the current
+    block (:func:`~.parallel.held`: read by a later pass of the call)."""
+    return lambda shape, dtype: held(shape, dtype, slot)
 
 
 def _merge(parts):
@@ -61,33 +99,37 @@ def kernel_attention(v, *, query_features, key_features, n: int, s: int, batch,
                      shifted_keys: bool = False):
     """Kernel attention on features made block by block; ``(out, Sz)``.
 
-    ``query_features(i0, i1)`` / ``key_features(j0, j1)`` give the features of those rows
-    (maps act on the last axis, so rows split freely; each row is asked for once, so the
-    callables may consume their own temporaries).  ``v`` is in the working dtype with the
-    masked rows zeroed; masked keys' features are zeroed here.  With ``shifted_keys``
-    (non-causal) ``key_features`` returns ``(features / exp(shift), shift)``, one shift
-    ``(..., 1, 1)`` per block, merged by :func:`_merge`.  ``sz0``: ``Sz`` of earlier keys.
+    ``query_features(i0, i1, alloc)`` / ``key_features(j0, j1, alloc)`` give the features
+    of those rows (maps act on the last axis, so rows split freely; each row is asked for
+    once, so the callables may consume their own temporaries), written into
+    ``alloc(shape, dtype)`` where they make a fresh array (``alloc`` gives a workspace
+    buffer of the engine's, or is ``None``: a fresh array).  ``v`` is in the working
+    dtype with the masked rows zeroed; masked keys' features are zeroed here.  With
+    ``shifted_keys`` (non-causal) ``key_features`` returns ``(features / exp(shift),
+    shift)``, one shift ``(..., 1, 1)`` per block, merged by :func:`_merge`.  ``sz0``:
+    ``Sz`` of earlier keys.
     """
     wd = v.dtype
     row_bytes = math.prod(batch) * max(m or 0, v.shape[-1] + 1) * wd.itemsize
     keep = None if key_mask is None else key_mask[..., None]
 
-    def masked_keys(j0, j1):
-        pk, shift = key_features(j0, j1) if shifted_keys else (key_features(j0, j1), None)
+    def masked_keys(j0, j1, alloc):
+        pk, shift = (key_features(j0, j1, alloc) if shifted_keys else
+                     (key_features(j0, j1, alloc), None))
         if keep is not None:
             pk = np.where(keep[..., j0:j1, :], pk, 0.0)
         return pk, shift
 
     def values1(j0, j1):
         vb = v[..., j0:j1, :]
-        out = np.empty((*vb.shape[:-1], vb.shape[-1] + 1), dtype=wd)
+        out = scratch((*vb.shape[:-1], vb.shape[-1] + 1), wd, "v1")
         out[..., :-1] = vb
         out[..., -1] = 1.0
         return out
 
     if not causal:
         def key_block(rows):
-            pk, shift = masked_keys(*rows)
+            pk, shift = masked_keys(*rows, _slot("phi_k"))
             return np.matmul(pk.swapaxes(-1, -2), values1(*rows)), shift
 
         parts = parallel_map(key_block, split_rows(s, row_bytes=row_bytes))
@@ -97,7 +139,7 @@ def kernel_attention(v, *, query_features, key_features, n: int, s: int, batch,
             sz = sz0 + sz
 
         def query_block(rows, out):
-            pq = query_features(*rows)
+            pq = query_features(*rows, _slot("phi_q"))
             shape = (*np.broadcast_shapes(pq.shape[:-2], sz.shape[:-2]), pq.shape[-2],
                      sz.shape[-1])
             return divide_(np.matmul(pq, sz, out=scratch(shape, wd, "num")), eps)
@@ -105,13 +147,14 @@ def kernel_attention(v, *, query_features, key_features, n: int, s: int, batch,
         return map_rows(query_block, split_rows(n, row_bytes=row_bytes),
                         shape=(*batch, n, v.shape[-1]), dtype=wd), sz
     if method == "chunked" and n == s:
-        def features(i0, i1):
-            return query_features(i0, i1), masked_keys(i0, i1)[0]
+        def features(i0, i1):   # the query features are read again by the second pass
+            return (query_features(i0, i1, _held("phi_q")),
+                    masked_keys(i0, i1, _slot("phi_k"))[0])
         return _chunked_blocks(features, values1, sz0, n, chunk=chunk, batch=batch,
                                eps=eps, width=v.shape[-1], row_bytes=row_bytes, wd=wd)
     # not the fast path: the reference form on the whole features
     return reference_kernel_attention(
-        query_features(0, n), masked_keys(0, s)[0], v, causal=True, method=method,
+        query_features(0, n, None), masked_keys(0, s, None)[0], v, causal=True, method=method,
         chunk_size=chunk, eps=eps, state=sz0)
 
 
@@ -139,10 +182,13 @@ def _chunked_blocks(features, values1, sz0, n: int, *, chunk: int, batch, eps, w
                 [x, np.zeros((*batch, pad, x.shape[-1]), dtype=x.dtype)], axis=-2)
                 for x in (pq, pk, v1))
         qc, kc, vc = (x.reshape(*batch, nc, c, x.shape[-1]) for x in (pq, pk, v1))
-        kv = np.matmul(kc.swapaxes(-1, -2), vc)                 # (..., nc, m, dv+1)
-        a = np.matmul(qc, kc.swapaxes(-1, -2))                   # (..., nc, c, c)
+        kv = np.matmul(kc.swapaxes(-1, -2), vc,                  # (..., nc, m, dv+1)
+                       out=held((*batch, nc, kc.shape[-1], vc.shape[-1]), wd, "kv"))
+        a = np.matmul(qc, kc.swapaxes(-1, -2),                   # (..., nc, c, c)
+                      out=scratch((*batch, nc, c, c), wd, "a"))
         np.copyto(a, 0.0, where=future)
-        return qc, kv, np.matmul(a, vc), kv.sum(axis=-3)
+        within = np.matmul(a, vc, out=held((*batch, nc, c, vc.shape[-1]), wd, "within"))
+        return qc, kv, within, kv.sum(axis=-3)
 
     blocks = split_rows(n, row_bytes=row_bytes + wd.itemsize * math.prod(batch) * c,
                         align=c)
@@ -156,8 +202,10 @@ def _chunked_blocks(features, values1, sz0, n: int, *, chunk: int, batch, eps, w
     def pass2(rows, out):
         b = index[rows]
         qc, kv, within, _ = first[b]
-        before = np.concatenate([starts[b][..., None, :, :], kv[..., :-1, :, :]], axis=-3)
-        num = np.matmul(qc, cumsum_(before, axis=-3))
+        before = np.concatenate([starts[b][..., None, :, :], kv[..., :-1, :, :]], axis=-3,
+                                out=scratch(kv.shape, wd, "before"))
+        num = np.matmul(qc, cumsum_(before, axis=-3),
+                        out=scratch((*kv.shape[:-2], qc.shape[-2], kv.shape[-1]), wd, "num"))
         num += within
         i0, i1 = rows
         num = num.reshape(*num.shape[:-3], -1, num.shape[-1])[..., :i1 - i0, :]

@@ -38,9 +38,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import workspace
+
 __all__ = ["LOCK", "serialised", "num_threads", "split_everything", "per_thread", "split_rows",
-           "parallel_map", "map_rows", "scratch", "blas_single", "reduce_rows", "cumsum_",
-           "openblas_control"]
+           "parallel_map", "map_rows", "scratch", "held", "own", "blas_single", "reduce_rows",
+           "cumsum_", "openblas_control"]
 
 #: Below this many bytes of work (rows x bytes per row) :func:`split_rows` keeps one block:
 #: a thread hand-off costs tens of microseconds.
@@ -54,7 +56,7 @@ BLOCK_BYTES = 1 << 22
 #: Held by every public call on NumPy (see the module docstring).
 LOCK = threading.RLock()
 
-_state = threading.local()   # .inside: a worker of parallel_map; .scratch: its buffers
+_state = threading.local()   # .inside: a worker; .depth: map nesting; .held, .item: held()
 _pool: tuple | None = None   # (executor, workers, pid)
 _blas: tuple | None = None   # (set, get) of the BLAS thread count, or () when not found
 _split: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -80,7 +82,7 @@ def _after_fork_parent():
 
 def _after_fork_child():
     global LOCK, _pool, _state
-    LOCK = threading.RLock()
+    LOCK = threading.RLock()   # (the workspaces are reset by .workspace's own hook)
     _pool = None            # the pool's threads did not survive the fork
     _state = threading.local()
 
@@ -195,18 +197,33 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     return _pool[0]
 
 
-def _as_worker(fn, buffers: dict):
-    """``fn`` run as a worker of one :func:`parallel_map` call: nested calls run serially,
-    and :func:`scratch` hands out this thread's buffers of ``buffers`` (dropped with the
-    call, so no memory outlives it)."""
-    def run(item):
-        _state.inside = True
-        _state.scratch = buffers.setdefault(threading.get_ident(), {})
+def _as_worker(fn, held):
+    """``fn`` run as a worker of one :func:`parallel_map` call on ``(position, item)``:
+    nested calls run serially, :func:`scratch` hands out this thread's workspace buffers
+    and :func:`held` the caller's (``held``: its workspace and depth)."""
+    def run(numbered):
+        _state.inside, _state.depth, _state.held = True, 1, held
+        _state.item = numbered[0]
         try:
-            return fn(item)
+            return fn(numbered[1])
         finally:
-            _state.inside, _state.scratch = False, None
+            _state.inside, _state.depth, _state.held = False, 0, None
     return run
+
+
+def _serial(fn, items, depth: int) -> list:
+    """``[fn(item) for item in items]`` on this thread, one map level deeper: a nested
+    call gets buffers of its own depth, never its caller's."""
+    saved = getattr(_state, "held", None), getattr(_state, "item", None)
+    _state.depth, _state.held = depth + 1, (workspace.space(), depth)
+    try:
+        out = []
+        for position, item in enumerate(items):
+            _state.item = position
+            out.append(fn(item))
+        return out
+    finally:
+        _state.depth, (_state.held, _state.item) = depth, saved
 
 
 @contextlib.contextmanager
@@ -232,39 +249,68 @@ def parallel_map(fn, items, *, blas: bool = True) -> list:
     items run (and the map runs serially when the BLAS cannot be told, since
     oversubscribed OpenBLAS threads are slower than one stream).  A call from inside a
     worker runs serially.  Inside ``fn``, :func:`scratch` gives buffers that the items run
-    by one thread share.
+    by one thread share (kept for the next calls: :mod:`.workspace`), :func:`held` buffers
+    one per item that outlive it.
     """
     items = list(items)
     workers = min(num_threads(), len(items))
     control = _blas_control() if blas else ()
-    if workers < 2 or getattr(_state, "inside", False) or (blas and not control):
-        saved = getattr(_state, "scratch", None)
-        _state.scratch = {}   # a nested call must not hand out its caller's buffers
-        try:
-            return [fn(item) for item in items]
-        finally:
-            _state.scratch = saved
-    with _one_blas_thread(control):
-        return list(_executor(workers).map(_as_worker(fn, {}), items))
+    depth = getattr(_state, "depth", 0)
+    try:
+        if workers < 2 or getattr(_state, "inside", False) or (blas and not control):
+            return _serial(fn, items, depth)
+        with _one_blas_thread(control):
+            return list(_executor(workers).map(
+                _as_worker(fn, (workspace.space(), depth)), enumerate(items)))
+    finally:
+        if depth == 0:
+            workspace.trim()
 
 
 def scratch(shape, dtype, slot: str) -> np.ndarray:
-    """A buffer of ``shape`` and ``dtype`` that every item one thread runs in the current
-    :func:`parallel_map` call reuses (a fresh array outside a call).
+    """A buffer of ``shape`` and ``dtype`` from this thread's workspace
+    (:mod:`.workspace`), reused by every item the thread runs in a :func:`parallel_map`
+    call and by the next calls (a fresh array outside a map).
 
     Why: a fresh block-sized temporary is fresh memory -- the allocator returns a freed
     block of this size to the system, and the next one pays a page fault per 4 KiB on
     first touch (measured: the block matmuls of a Nyström pass ran at half speed).
-    ``slot`` names the buffer; a block must not return it, nor use one slot twice at once.
+    ``slot`` names the buffer; a block must not return it (nor a view of it), nor use
+    one slot twice at once.
     """
-    buffers = getattr(_state, "scratch", None)
-    if buffers is None:
+    depth = getattr(_state, "depth", 0)
+    if not depth:
         return np.empty(shape, dtype=dtype)
-    size = math.prod(shape)
-    buf = buffers.get(slot)
-    if buf is None or buf.size < size or buf.dtype != dtype:
-        buf = buffers[slot] = np.empty(size, dtype=dtype)
-    return buf[:size].reshape(shape)
+    return workspace.buffer(workspace.space(), (depth, slot), shape, dtype)
+
+
+def held(shape, dtype, slot: str) -> np.ndarray:
+    """A buffer of ``shape`` and ``dtype`` for a result of the current item of a
+    :func:`parallel_map` call that a later map of the same call reads (the first pass's
+    block results of a two-pass form): from the calling thread's workspace, one per
+    ``slot`` and item position, reused by the next calls (a fresh array outside a map).
+    It must not reach the caller of the public function: the next call overwrites it."""
+    where = getattr(_state, "held", None)
+    if where is None:
+        return np.empty(shape, dtype=dtype)
+    ws, depth = where
+    return workspace.buffer(ws, ("held", depth, slot, _state.item), shape, dtype)
+
+
+def own(shape, dtype, slot: str) -> np.ndarray:
+    """A buffer of ``shape`` and ``dtype`` from this thread's workspace for a temporary
+    of the serial code between maps (keyed by ``slot`` and the map depth): reused by the
+    next calls.  Consumed before the public call returns, never returned, and one slot
+    used by one computation at a time (the caller's serial code, which no other thread
+    runs).  A fresh array where the buffer would take the workspaces over their bound
+    (no map after it would trim them)."""
+    ws, key = workspace.space(), ("own", getattr(_state, "depth", 0), slot)
+    buf, need = ws.get(key), math.prod(shape) * np.dtype(dtype).itemsize
+    if buf is None or buf.nbytes < need:
+        held_now = workspace.workspace_bytes() - (0 if buf is None else buf.nbytes)
+        if held_now + need > workspace.workspace_limit():
+            return np.empty(shape, dtype=dtype)
+    return workspace.buffer(ws, key, shape, dtype)
 
 
 @contextlib.contextmanager

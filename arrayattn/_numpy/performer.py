@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernel import rows_of
+from .parallel import scratch
 
 __all__ = ["performer_maps"]
 
@@ -29,16 +30,31 @@ __all__ = ["performer_maps"]
 _BIG = 1e30
 
 
-def _augment(x, *cols):
-    """``[x, c_1, c_2, ...]`` along the last axis (batch dims broadcast); a Python float
-    ``c`` is a constant column."""
+def _augment(x, *cols, out=None):
+    """``[x, c_1, c_2, ...]`` along the last axis (batch dims broadcast; into ``out``, a
+    workspace buffer, when given); a Python float ``c`` is a constant column."""
     batch = np.broadcast_shapes(x.shape[:-1], *(c.shape[:-1] for c in cols
                                                 if not isinstance(c, float)))
     parts = [np.broadcast_to(x, (*batch, x.shape[-1]))]
     for c in cols:
         c = np.full((*batch, 1), c, dtype=x.dtype) if isinstance(c, float) else c
         parts.append(np.broadcast_to(c, (*batch, c.shape[-1])))
-    return np.concatenate(parts, axis=-1)
+    if out is not None:
+        out = out((*batch, sum(part.shape[-1] for part in parts)), x.dtype)
+    return np.concatenate(parts, axis=-1, out=out)
+
+
+def _aug(shape, dtype):
+    """The augmented inputs' buffer (a workspace scratch buffer inside the engine's map)."""
+    return scratch(shape, dtype, "augment")
+
+
+def _into(alloc, x, w):
+    """``x @ w``, into ``alloc(shape, dtype)`` when given (the features' buffer)."""
+    if alloc is None:
+        return x @ w
+    shape = (*np.broadcast_shapes(x.shape[:-2], w.shape[:-2]), x.shape[-2], w.shape[-1])
+    return np.matmul(x, w, out=alloc(shape, np.result_type(x, w)))
 
 
 def _exp_shifted(a, shift):
@@ -58,9 +74,14 @@ def _signed_maps(q, k, w, a, *, kind, causal: bool, keys, keep):
             hk = hk - np.where(top == -np.inf, 0.0, top)
         eh = np.exp(hk)
         # the features of a block of rows, made in the engine's threads
-        return (lambda i0, i1: np.sin(_augment(q[..., i0:i1, :], 1.0) @ wp),
-                lambda j0, j1: np.sin(_augment(k[..., j0:j1, :], 1.0) @ wp)
-                * eh[..., j0:j1, :])
+        def trig(x, alloc):
+            f = _into(alloc, _augment(x, 1.0, out=_aug), wp)
+            return np.sin(f, out=f)
+        def trig_keys(j0, j1, alloc=None):
+            f, e = trig(k[..., j0:j1, :], alloc), eh[..., j0:j1, :]
+            return f * e if np.broadcast_shapes(f.shape, e.shape) != f.shape else \
+                np.multiply(f, e, out=f)
+        return (lambda i0, i1, alloc=None: trig(q[..., i0:i1, :], alloc)), trig_keys
     wt = np.swapaxes(w, -1, -2)
     if kind != "relu":   # a user's function of ω·x: on the whole features, as given
         phi_q, phi_k = kind(q @ wt), kind(k @ wt)
@@ -68,10 +89,14 @@ def _signed_maps(q, k, w, a, *, kind, causal: bool, keys, keep):
             phi_k = np.where(keep, phi_k, 0.0)
         return rows_of(phi_q), rows_of(phi_k)
 
-    def key_features(j0, j1):
-        phi = np.maximum(k[..., j0:j1, :] @ wt, 0.0)
+    def relu(x, alloc):
+        phi = _into(alloc, x, wt)
+        return np.maximum(phi, 0.0, out=phi)
+
+    def key_features(j0, j1, alloc=None):
+        phi = relu(k[..., j0:j1, :], alloc)
         return phi if keep is None else np.where(keep[..., j0:j1, :], phi, 0.0)
-    return (lambda i0, i1: np.maximum(q[..., i0:i1, :] @ wt, 0.0)), key_features
+    return (lambda i0, i1, alloc=None: relu(q[..., i0:i1, :], alloc)), key_features
 
 
 def performer_maps(q, k, rows, *, kind, scale: float, causal: bool, key_mask=None):
@@ -108,24 +133,24 @@ def performer_maps(q, k, rows, *, kind, scale: float, causal: bool, key_mask=Non
         wq = np.swapaxes(_augment(w, col(cq)), -1, -2)
         wk = np.swapaxes(_augment(w, -1.0, col(ck)), -1, -2)
 
-        def key_features(j0, j1):
-            ek = _augment(*keys(j0, j1), 1.0) @ wk
+        def key_features(j0, j1, alloc=None):
+            ek = _into(alloc, _augment(*keys(j0, j1), 1.0, out=_aug), wk)
             return np.exp(ek, out=ek)
     else:
         # one shift per block of keys, max_j (rowmax(a_j) - ‖k̃_j‖²/2), floored so that
         # an all-masked block (every exponent ~ -_BIG) keeps zero features
         wq = wt if a is None else np.swapaxes(_augment(w, col(a)), -1, -2)
 
-        def key_features(j0, j1):
+        def key_features(j0, j1, alloc=None):
             kb, hb = keys(j0, j1)
-            ak = (kb if a is None else _augment(kb, 1.0)) @ wq   # ω·k̃ (+ a)
+            ak = _into(alloc, kb if a is None else _augment(kb, 1.0, out=_aug), wq)
             top = np.max(np.max(ak, axis=-1, keepdims=True) - hb, axis=-2, keepdims=True)
             top = np.maximum(top, -_BIG / 2)
             return _exp_shifted(ak, hb + top), top
     augment_q = causal or a is not None
 
-    def query_features(i0, i1):
+    def query_features(i0, i1, alloc=None):
         qb = q[..., i0:i1, :]
-        aq = (_augment(qb, 1.0) if augment_q else qb) @ wq
+        aq = _into(alloc, _augment(qb, 1.0, out=_aug) if augment_q else qb, wq)
         return _exp_shifted(aq, np.max(aq, axis=-1, keepdims=True))
     return query_features, key_features

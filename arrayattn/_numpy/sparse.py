@@ -21,9 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from .finite import all_finite
-from .parallel import parallel_map
+from .parallel import held, own, parallel_map, scratch
 
-__all__ = ["map_chunks", "finite", "drop_bad_values", "attend_tiles", "CHUNK_SCALE"]
+__all__ = ["map_chunks", "finite", "drop_bad_values", "attend_tiles", "chunk_out",
+           "take_blocks", "take_rows",
+           "CHUNK_SCALE"]
 
 #: An engine chunk holds this many times the executor's budget of elements
 #: (:func:`arrayattn.core.devices.chunk_elements`: scores plus gathered keys and values,
@@ -37,10 +39,9 @@ def map_chunks(fn, chunks) -> list:
 
     Each chunk reads the call's shared blocks and returns its own output (query blocks
     of the forward, key blocks of the backward's key-major pass): nothing is written
-    that another chunk reads."""
-    if len(chunks) > 1:
-        return parallel_map(fn, chunks)
-    return [fn(chunk) for chunk in chunks]
+    that another chunk reads.  A lone chunk runs on the calling thread (its scratch
+    buffers in that thread's workspace)."""
+    return parallel_map(fn, chunks)
 
 
 def finite(x) -> bool:
@@ -65,23 +66,21 @@ def _fit(s, other):
     return s if shape == s.shape else np.broadcast_to(s, shape).copy()
 
 
-def attend_tiles(qc, kb, vb, tiles):
+def attend_tiles(qc, kb, vb, tiles, alloc=None):
     """Softmax attention of the query blocks ``qc (..., G, b, d)`` (scaled) over the
     key blocks of ``tiles``, each ``(idx (G, R) host integers, allowed (..., G, b, R b)
     bool or None for all, bias (..., G, b, R b) or None, poison (..., G, 1, R b) bool or
     None)`` -- disjoint key sets whose partial softmaxes are merged online.
     ``kb (..., K, b, d)``; ``vb (..., K, b, dv)`` holds finite values (the keys of its
     zeroed bad rows are marked by ``poison``: NaN scores where they are allowed).
-    Returns ``(..., G, b, dv)``."""
+    Returns ``(..., G, b, dv)``, written into ``alloc(shape, dtype)`` when given (a
+    held workspace buffer of :func:`chunk_out`; the gathered keys and values and the
+    scores are this thread's scratch buffers)."""
     acc = total = top = None
     for idx, allowed, bias, poison in tiles:
-        g, r = idx.shape
-        flat = idx.reshape(-1)
-        kc = np.take(kb, flat, axis=-3)
-        kc = kc.reshape(*kc.shape[:-3], g, r * kb.shape[-2], kb.shape[-1])
-        vc = np.take(vb, flat, axis=-3)
-        vc = vc.reshape(*vc.shape[:-3], g, r * vb.shape[-2], vb.shape[-1])
-        s = np.matmul(qc, np.swapaxes(kc, -1, -2))              # (..., G, b, R b)
+        kc, vc = _gather(kb, idx, "kc"), _gather(vb, idx, "vc")
+        s = np.matmul(qc, np.swapaxes(kc, -1, -2),                 # (..., G, b, R b)
+                      out=scratch(_product(qc, np.swapaxes(kc, -1, -2)), qc.dtype, "s"))
         if bias is not None:
             s = _fit(s, bias)
             s += bias
@@ -96,15 +95,60 @@ def attend_tiles(qc, kb, vb, tiles):
         s -= shift
         np.exp(s, out=s)
         part = np.sum(s, axis=-1, keepdims=True)
-        o = np.matmul(s, vc)
+        shape = _product(s, vc)
         if acc is None:
-            acc, total, top = o, part, m
+            acc = np.matmul(s, vc, out=None if alloc is None else alloc(shape, s.dtype))
+            total, top = part, m
             continue
+        o = np.matmul(s, vc, out=scratch(shape, s.dtype, "o"))
         new = np.maximum(top, m)
         base = np.where(new == -np.inf, 0.0, new).astype(s.dtype, copy=False)
         ca, cb = np.exp(top - base), np.exp(m - base)
-        acc = acc * ca + o * cb
+        if np.broadcast_shapes(acc.shape, o.shape, ca.shape) == acc.shape:
+            acc *= ca             # acc * ca + o * cb, in place (the same roundings)
+            o *= cb
+            acc += o
+        else:
+            acc = acc * ca + o * cb
         total = total * ca + part * cb
         top = new
     acc /= np.where(total > 0, total, 1.0).astype(acc.dtype, copy=False)
     return acc
+
+
+def _gather(x, idx, slot):
+    """``x (..., K, b, c)`` at the key blocks ``idx (G, R)``: ``(..., G, R b, c)``, into
+    this thread's scratch buffer ``slot`` (the indices are in bounds: ``clip`` takes them
+    as they are, without the buffered copy ``raise`` makes of an ``out``)."""
+    g, r = idx.shape
+    out = scratch((*x.shape[:-3], g * r, *x.shape[-2:]), x.dtype, slot)
+    np.take(x, idx.reshape(-1), axis=-3, out=out, mode="clip")
+    return out.reshape(*x.shape[:-3], g, r * x.shape[-2], x.shape[-1])
+
+
+def take_blocks(x, rows):
+    """The blocks ``rows (G,)`` (host integers, in bounds) of ``x (..., K, b, c)``:
+    ``(..., G, b, c)`` in this thread's scratch buffer ``"qc"`` (a chunk's queries)."""
+    out = scratch((*x.shape[:-3], rows.size, *x.shape[-2:]), x.dtype, "qc")
+    return np.take(x, rows, axis=-3, out=out, mode="clip")
+
+
+def take_rows(x, rows):
+    """``x (..., s, c)`` at the rows ``rows`` (in bounds): ``(..., len(rows), c)``, in the
+    calling thread's workspace buffer ``"rows"`` (:func:`~.parallel.own`: consumed
+    before the call returns, e.g. Poolingformer's pooled intervals)."""
+    out = own((*x.shape[:-2], rows.size, x.shape[-1]), x.dtype, "rows")
+    return np.take(x, rows, axis=-2, out=out, mode="clip")
+
+
+def _product(a, b):
+    """The shape of ``a @ b``."""
+    return (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+
+
+def chunk_out(shape, dtype):
+    """The calling thread's held buffer for the current chunk's output
+    (:func:`~.parallel.held`: the executor concatenates the chunks' outputs into a fresh
+    result; pass it as ``alloc`` only where there are several chunks, so that a lone
+    chunk's output, which is the result, is never a workspace buffer)."""
+    return held(shape, dtype, "sparse_out")

@@ -49,16 +49,24 @@ def kernel_reference(call: KernelCall, w: Working):
     return _finish(call, w, out, sz)
 
 
+#: The built-in maps' engine forms: the same values, written into the engine's workspace
+#: (elu+1 with one temporary less).
+_ENGINE_MAPS = {"elu+1": numpy_kernel.elu_plus_one_, "relu": numpy_kernel.relu_,
+                "cosine": numpy_kernel.cosine_}
+
+
 def kernel_engine(call: KernelCall, w: Working):
     """The NumPy engine (:func:`arrayattn._numpy.kernel.kernel_attention`): the maps
-    applied per row block (elu+1 in place: one temporary less)."""
+    applied per row block (the built-in ones into the engine's workspace)."""
     p = call.p
-    maps = call.maps or (None, None)
-    if call.maps is not None and call.feature_map is FEATURE_MAPS["elu+1"]:
-        maps = (numpy_kernel.elu_plus_one_,) * 2
+    maps, into = call.maps or (None, None), False
+    for name, engine_map in _ENGINE_MAPS.items():
+        if call.maps is not None and call.feature_map is FEATURE_MAPS[name]:
+            maps, into = (engine_map,) * 2, True
     out, sz = numpy_kernel.kernel_attention(
-        w.v, query_features=numpy_kernel.rows_of(w.q, maps[0]),
-        key_features=numpy_kernel.rows_of(w.k, maps[1]), n=p.n, s=p.s, batch=p.batch,
+        w.v, query_features=numpy_kernel.rows_of(w.q, maps[0], into=into),
+        key_features=numpy_kernel.rows_of(w.k, maps[1], into=into), n=p.n, s=p.s,
+        batch=p.batch,
         causal=call.causal, key_mask=call.key_mask, method=call.method,
         chunk=call.chunk_size, sz0=_state_in(call), eps=call.eps, m=call.m)
     return _finish(call, w, out, sz)

@@ -199,7 +199,7 @@ def _dense(call: SparseCall, w: Working):
 def _gathered(call: SparseCall, w: Working, *, threads: bool):
     """The block-sparse executor on the layout's gather plan: scans over chunks of query
     blocks (the reference form), or its chunks on the NumPy engine's threads."""
-    return block_sparse_attention(call.p, w.q * call.scale, w.k, w.v, call.layout,
+    return block_sparse_attention(call.p, w.q, w.k, w.v, call.layout, scale=call.scale,
                                   causal=call.causal, key_mask=call.key_mask, bias=call.bias,
                                   threads=threads)
 

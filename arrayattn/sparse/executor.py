@@ -21,8 +21,9 @@ import numpy as np
 
 from .. import reference
 from ..core.devices import chunk_elements
-from .._numpy.parallel import num_threads, per_thread
-from .._numpy.sparse import CHUNK_SCALE, attend_tiles, drop_bad_values, finite, map_chunks
+from .._numpy.parallel import num_threads, own, per_thread
+from .._numpy.sparse import (CHUNK_SCALE, attend_tiles, chunk_out, drop_bad_values, finite,
+                             map_chunks, take_blocks)
 from ..reference.indexing import take_in_bounds
 from ..reference.scan import scan
 from .tiles import (PER_BLOCK, PER_KEY, blocked, host_indices, mask_from, mask_tables,
@@ -185,12 +186,19 @@ def unblock(xp, x, count: int):
 
 
 def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=None,
-                           threads: bool = False):
+                           threads: bool = False, scale=None, into: str | None = None):
     """The gather plan of ``layout`` run on
     :func:`arrayattn.reference.sparse.gathered_attention`. ``q`` is already scaled; all in
     the working dtype. Rows too long for the memory budget (global rows reach every
     block) are split over their key blocks too, and the partial softmaxes merged by
-    log-sum-exp (:func:`arrayattn.reference.sparse.merge_attention`).  ``threads``: the
+    log-sum-exp (:func:`arrayattn.reference.sparse.merge_attention`).  ``scale``: the
+    queries' factor (``None``: ``q`` is scaled already); the engine scales each chunk's
+    gathered queries in its scratch buffer, the same products without a scaled copy of
+    ``q``.  ``into`` (the engine, internal): the chunks' outputs are concatenated into
+    the calling thread's workspace buffer of that name
+    (:func:`~arrayattn._numpy.parallel.own`), for an intermediate the caller consumes
+    before it returns -- never a result.
+    ``threads``: the
     NumPy engine's threaded chunks of the full plan (the caller's choice, NumPy inputs
     only), each run by :func:`arrayattn._numpy.sparse.attend_tiles` where the values are
     all finite (chosen once here; else with the bad values zeroed and their keys' scores
@@ -200,6 +208,8 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
     xp = p.xp
     if math.prod(p.batch) == 0:          # an empty batch (no heads): nothing to plan
         return xp.zeros((*p.batch, p.n, p.dv), dtype=q.dtype, device=p.device)
+    if scale is not None and not threads:
+        q = q * scale
     g = gathered(p, q, k, v, layout, causal=causal, key_mask=key_mask, bias=bias)
     b, batch = layout.block_size, math.prod(p.batch)
     per_slot, per_row = batch * (b * b + b * (p.d + p.dv)), batch * b * (p.d + p.dv)
@@ -215,9 +225,16 @@ def block_sparse_attention(p, q, k, v, layout, *, causal: bool, key_mask, bias=N
     def attend_chunk(chunk):
         rows, idx, valid, span = chunk
         tiles = (engine_tile(g, rows, i, m, bad) for i, m in spans(idx, valid, span))
-        return attend_tiles(g.take(g.q, rows), g.k, vb, tiles)         # (..., G, b, dv)
+        qc = take_blocks(g.q, rows)
+        if scale is not None:
+            qc *= scale
+        return attend_tiles(qc, g.k, vb, tiles,                         # (..., G, b, dv)
+                            chunk_out if len(chunks) > 1 else None)   # concatenated below
 
     outs = map_chunks(attend_chunk, chunks)
+    if into is not None and len(outs) > 1:
+        shape = (*outs[0].shape[:-3], sum(o.shape[-3] for o in outs), *outs[0].shape[-2:])
+        outs = [np.concatenate(outs, axis=-3, out=own(shape, outs[0].dtype, into))]
     return unblock(xp, in_block_order(xp, outs, chunks, -3, p.device), p.n)
 
 

@@ -23,6 +23,7 @@ from ..core.pipeline import Spec, Working, run
 from ..reference.indexing import take_in_bounds
 from ..reference.masks import zero_masked_keys
 from .executor import block_sparse_attention
+from .._numpy.sparse import take_rows
 from .layout import BlockLayout, num_blocks
 from .patterns import local_layout
 from .tiles import host_indices
@@ -56,16 +57,18 @@ def pooled_spans(s: int, pool_size: int, pool_stride: int | None = None):
     return start, end
 
 
-def pool_keys(xp, x, start, end, kind: str, key_mask, *, device):
+def pool_keys(xp, x, start, end, kind: str, key_mask, *, device, threads: bool = False):
     """Pool ``x (..., s, c)`` over the intervals: ``(..., m, c)`` and which pooled
-    rows saw at least one real key ``(..., m)`` (``None`` when all did)."""
+    rows saw at least one real key ``(..., m)`` (``None`` when all did).  ``threads``
+    (the NumPy engine): the gathered rows in the engine's workspace, the rows outside
+    an interval set in place (the same values as the ``where``)."""
     kappa = int((end - start).max()) + 1
     offs = start[:, None] + np.arange(kappa)                       # (m, kappa)
     inside = offs <= end[:, None]
     idx = np.minimum(offs, x.shape[-2] - 1).reshape(-1)
     m = start.size
     idx = host_indices(xp, idx, device)
-    g = take_in_bounds(x, idx, axis=x.ndim - 2)
+    g = (take_rows(x, idx) if threads else take_in_bounds(x, idx, axis=x.ndim - 2))
     g = xp.reshape(g, (*x.shape[:-2], m, kappa, x.shape[-1]))      # (..., m, kappa, c)
     keep = xp.expand_dims(host_indices(xp, inside, device), axis=-1) > 0   # (m, kappa, 1)
     if key_mask is not None:
@@ -74,11 +77,15 @@ def pool_keys(xp, x, start, end, kind: str, key_mask, *, device):
         keep = keep & kmg
     count = xp.sum(xp.astype(keep, x.dtype), axis=-2)              # (..., m, 1)
     zero = xp.zeros((), dtype=x.dtype, device=device)
-    if kind == "mean":
-        pooled = xp.sum(xp.where(keep, g, zero), axis=-2) / xp.where(count > 0, count, 1.0)
+    fill = zero if kind == "mean" else -xp.inf
+    if threads and np.broadcast_shapes(keep.shape, g.shape) == g.shape:
+        np.copyto(g, fill, where=~keep)      # the where's value, in the workspace
     else:
-        pooled = xp.max(xp.where(keep, g, -xp.inf), axis=-2)
-        pooled = xp.where(count > 0, pooled, zero)
+        g = xp.where(keep, g, fill)
+    if kind == "mean":
+        pooled = xp.sum(g, axis=-2) / xp.where(count > 0, count, 1.0)
+    else:
+        pooled = xp.where(count > 0, xp.max(g, axis=-2), zero)
     valid = None
     if key_mask is not None:
         valid = count[..., 0] > 0
@@ -244,12 +251,21 @@ def _levels(call: PoolingCall, w: Working, *, threads: bool):
     engine's threads, else its scans)."""
     xp, dev, km = call.p.xp, call.p.device, call.key_mask
     q2, k2, v2 = level2(call, w)
-    y = block_sparse_attention(call.p, w.q * call.scale, w.k, w.v, call.lay1,
+    y = block_sparse_attention(call.p, w.q, w.k, w.v, call.lay1, scale=call.scale,
                                causal=call.causal, key_mask=km, threads=threads)
-    kbar, valid = pool_keys(xp, k2, call.start, call.end, call.pool, km, device=dev)
-    vbar, _ = pool_keys(xp, v2, call.start, call.end, call.pool, km, device=dev)
-    return y + block_sparse_attention(call.pm, q2 * call.scale2, kbar, vbar, call.lay2,
-                                      causal=call.causal, key_mask=valid, threads=threads)
+    kbar, valid = pool_keys(xp, k2, call.start, call.end, call.pool, km, device=dev,
+                            threads=threads)
+    vbar, _ = pool_keys(xp, v2, call.start, call.end, call.pool, km, device=dev,
+                        threads=threads)
+    # NumPy: the level-2 output in the engine's workspace, added into y (this call's own
+    # array): no output-sized array but the result
+    y2 = block_sparse_attention(call.pm, q2, kbar, vbar, call.lay2, scale=call.scale2,
+                                causal=call.causal, key_mask=valid, threads=threads,
+                                into="pooled_level" if threads else None)
+    if threads and np.broadcast_shapes(y.shape, y2.shape) == y.shape:
+        y += y2
+        return y
+    return y + y2
 
 
 def _work(call: PoolingCall, w: Working) -> int:
