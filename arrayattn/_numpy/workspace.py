@@ -16,7 +16,7 @@ in the calling thread's workspace, one per block.  Nothing the caller receives i
 workspace buffer: results are fresh arrays.
 
 Bound: after each top-level map, where the workspaces of all threads together hold more
-than :func:`workspace_limit` bytes (``ARRAYATTN_WORKSPACE_MB``, default 256 MiB;
+than :func:`workspace_limit` bytes (``ARRAYATTN_WORKSPACE_MB``, default 1 GiB;
 :func:`set_workspace_limit`), they are all released, so a one-off huge call does not pin
 its memory (it runs as without a workspace).
 :func:`release_workspace` releases everything now.
@@ -34,7 +34,7 @@ __all__ = ["release_workspace", "set_workspace_limit", "workspace_limit", "works
            "Workspace", "space", "buffer", "trim", "DEFAULT_LIMIT_MB"]
 
 #: The workspaces' bound when ``ARRAYATTN_WORKSPACE_MB`` is not set, in MiB.
-DEFAULT_LIMIT_MB = 256
+DEFAULT_LIMIT_MB = 1024
 
 _local = threading.local()
 _spaces: weakref.WeakSet = weakref.WeakSet()   # every live thread's workspace
@@ -114,7 +114,7 @@ def set_workspace_limit(nbytes: int | None) -> int:
     ----------
     nbytes : int or None
         The bound in bytes; ``0`` keeps nothing between calls.  ``None`` goes back to the
-        environment variable ``ARRAYATTN_WORKSPACE_MB`` (MiB), or 256 MiB where it is not
+        environment variable ``ARRAYATTN_WORKSPACE_MB`` (MiB), or 1 GiB where it is not
         set.  Applied at once: buffers over a lowered bound are released now.
 
     Returns
@@ -156,9 +156,8 @@ def release_workspace() -> int:
     outlives the call, each buffer grown to the largest size asked for.  At
     ``(1, 8, n, 64)`` float32 it holds 8-50 MiB after a kernel, sparse, Poolingformer,
     LSH or Nyström call at ``n = 4096`` (91 MiB after causal Performer, m = 256),
-    20-130 MiB at ``n = 16384`` (causal Performer would need 585 MiB: over the bound,
-    nothing is kept).  It is bounded (:func:`set_workspace_limit`, 256 MiB by
-    default); this function drops it now, e.g. after a burst of large calls.  The next
+    20-130 MiB at ``n = 16384`` (563-585 MiB after causal Performer).  It is bounded
+    (:func:`set_workspace_limit`, 1 GiB by default); this function drops it now, e.g. after a burst of large calls.  The next
     call allocates afresh.
 
     Results handed to the caller are never workspace memory: releasing changes no
