@@ -31,11 +31,10 @@ def _sampled(case, call, conv, grads: dict):
     from .judge import judge_inputs
 
     x = judge_inputs(call)
-    theirs = {call.rename.get(k, k): conv.to_judge(k, g) for k, g in grads.items()}
     rows = sampled_rows(case, call, x)
-    if set(theirs) - {"q", "k", "v"}:
-        rows = None
-    return rows, x, theirs
+    if rows is None or {call.rename.get(k, k) for k in grads} - {"q", "k", "v"}:
+        return None, x, {}
+    return rows, x, {call.rename.get(k, k): conv.to_judge(k, g) for k, g in grads.items()}
 
 
 def judge_case(case, call, conv, results: dict, grads: dict):
